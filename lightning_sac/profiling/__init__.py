@@ -1,0 +1,6 @@
+"""The fake-tensor dry run of one training step and the profile it produces."""
+
+from lightning_sac.profiling.data import CATEGORIES, PHASES, ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.profiling.dry_run import profile_model
+
+__all__ = ["CATEGORIES", "PHASES", "ModelProfile", "ModuleOpStats", "ModuleProfile", "profile_model"]

@@ -1,0 +1,212 @@
+"""The profile data model: plain dataclasses in bytes and milliseconds, with an exact JSON round trip.
+
+Every later stage (trade-off curves, the solver, the callback's reports) reads these and nothing else, so
+they hold numbers only, never tensors or modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_sac.devices import DeviceSpec
+
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "MemorySnapshot",
+    "ModelProfile",
+    "ModuleOpStats",
+    "ModuleProfile",
+    "empty_snapshot",
+]
+
+#: Memory categories, in the order reports stack them. Example inputs count as "other".
+CATEGORIES: tuple[str, ...] = (
+    "parameter",
+    "buffer",
+    "gradient",
+    "optimizer_state",
+    "activation",
+    "temporary",
+    "other",
+)
+
+#: The moments of a module's life at which its profile holds a memory snapshot.
+PHASES: tuple[str, ...] = (
+    "pre_forward",
+    "post_forward",
+    "peak_forward",
+    "pre_backward",
+    "post_backward",
+    "peak_backward",
+)
+
+#: Live bytes on the device by category (every key of ``CATEGORIES``).
+MemorySnapshot = dict[str, int]
+
+
+def empty_snapshot() -> MemorySnapshot:
+    """Return a snapshot with every category at zero bytes."""
+    return dict.fromkeys(CATEGORIES, 0)
+
+
+@dataclass(kw_only=True)
+class ModuleOpStats:
+    """The aten ops a non-leaf module ran in its forward, in order, as selective checkpointing sees them.
+
+    Ops that ``torch.utils.checkpoint`` ignores for SAC (``SAC_IGNORED_OPS``) are left out, so index ``i`` here
+    is the ``i``-th op a SAC policy for this module is asked about.
+
+    Attributes:
+        func_names: Overload name of each op, e.g. ``"aten.mm.default"``.
+        runtimes: Estimated runtime of each op on the target device, ms.
+        memory: Bytes of new storage each op's outputs allocate on the target (after allocator rounding).
+            Views and in-place ops allocate nothing; the module's last op that is neither is counted too (the
+            trade-off stage decides that keeping it is free).
+        view_like_ops: Indices of ops whose outputs alias an input (views, in-place views).
+        rand_ops: Indices of ops that draw random numbers (dropout, ``rand*``, attention with dropout).
+        saved_autograd_ops: Indices of ops all of whose output storages autograd saved for backward.
+        inplace_ops: Pairs ``(op index, parent index)`` for in-place ops, the parent being the first op of this
+            module whose output holds the storage the op mutates, or the op itself when that storage came from
+            outside the module.
+        force_store_random: Whether random ops must be stored rather than recomputed: true when the module
+            received no tensor inputs, so that its random ops cannot be tied to a replayed input.
+    """
+
+    func_names: list[str] = field(default_factory=list)
+    runtimes: list[float] = field(default_factory=list)
+    memory: list[int] = field(default_factory=list)
+    view_like_ops: list[int] = field(default_factory=list)
+    rand_ops: list[int] = field(default_factory=list)
+    saved_autograd_ops: list[int] = field(default_factory=list)
+    inplace_ops: list[tuple[int, int]] = field(default_factory=list)
+    force_store_random: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:
+        """Rebuild from :func:`dataclasses.asdict` output (JSON turns the pairs into lists)."""
+        d = dict(d)
+        d["inplace_ops"] = [(int(a), int(b)) for a, b in d["inplace_ops"]]
+        return cls(**d)
+
+
+@dataclass(kw_only=True)
+class ModuleProfile:
+    """What one module costs during a training step on the target device.
+
+    Attributes:
+        fqn: Fully qualified name in the model (``""`` for the root).
+        module_type: Class name of the module.
+        is_leaf: Whether the module has no children.
+        parameter_bytes: Bytes of the module's parameters, its children's included, tied ones once.
+        buffer_bytes: Bytes of its buffers, children included.
+        gradient_bytes: Bytes of the gradients of those parameters that require grad.
+        optimizer_state_bytes: Bytes of the optimizer state of those parameters.
+        input_bytes: Bytes of the distinct storages of the tensors passed to ``forward``.
+        output_bytes: Bytes of the distinct storages of the tensors ``forward`` returned.
+        memory: Live bytes on the device by category at each of :data:`PHASES`. ``peak_*`` are the snapshot at
+            the highest total during the module's forward or backward.
+        forward_ms: Estimated forward time, children included, ms.
+        backward_ms: Estimated backward time, children included, ms.
+        calls: How many times ``forward`` ran in the step (memory and op stats are of the first call).
+        op_stats: For non-leaf modules, the ops of the first forward call.
+    """
+
+    fqn: str
+    module_type: str
+    is_leaf: bool
+    parameter_bytes: int = 0
+    buffer_bytes: int = 0
+    gradient_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    memory: dict[str, MemorySnapshot] = field(default_factory=lambda: {p: empty_snapshot() for p in PHASES})
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    calls: int = 0
+    op_stats: ModuleOpStats | None = None
+
+    @property
+    def activation_bytes(self) -> int:
+        """Activation bytes the module's forward left alive (post-forward minus pre-forward)."""
+        return self.memory["post_forward"]["activation"] - self.memory["pre_forward"]["activation"]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModuleProfile:
+        """Rebuild from :func:`dataclasses.asdict` output."""
+        d = dict(d)
+        if d.get("op_stats") is not None:
+            d["op_stats"] = ModuleOpStats.from_dict(d["op_stats"])
+        return cls(**d)
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """The profile of one training step of a model on a target device.
+
+    Attributes:
+        device: The target the numbers are for.
+        estimate: How runtimes were estimated: ``"roofline"`` or ``"benchmark"``.
+        modules: Per-module profiles keyed by fqn, the root first, in forward pre-order.
+        forward_pre_order: Fqns in the order their forward started.
+        forward_post_order: Fqns in the order their forward finished.
+        backward_pre_order: Fqns in the order their backward started.
+        backward_post_order: Fqns in the order their backward finished.
+        peak_bytes: Highest total of live tensor bytes on the device during the step, parameters, optimizer
+            state and inputs included.
+        peak_breakdown: That total by category.
+        peak_location: Where the peak happened: phase (``forward``, ``backward``, ``optimizer``) and the
+            innermost running module, e.g. ``"backward:blocks.1.attn"``.
+        forward_ms: Estimated time of the forward and loss, ms.
+        backward_ms: Estimated time of the backward, ms.
+        optimizer_ms: Estimated time of the optimizer step, ms.
+        input_signature: dtype and shape of each tensor input, e.g. ``"torch.int64[4, 128]"``.
+    """
+
+    device: DeviceSpec
+    estimate: str
+    modules: dict[str, ModuleProfile]
+    forward_pre_order: list[str] = field(default_factory=list)
+    forward_post_order: list[str] = field(default_factory=list)
+    backward_pre_order: list[str] = field(default_factory=list)
+    backward_post_order: list[str] = field(default_factory=list)
+    peak_bytes: int = 0
+    peak_breakdown: MemorySnapshot = field(default_factory=empty_snapshot)
+    peak_location: str = ""
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    optimizer_ms: float = 0.0
+    input_signature: list[str] = field(default_factory=list)
+
+    @property
+    def step_ms(self) -> float:
+        """Estimated time of the whole training step, ms."""
+        return self.forward_ms + self.backward_ms + self.optimizer_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["device"] = self.device.to_dict()
+        d["modules"] = {k: dataclasses.asdict(m) for k, m in self.modules.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
+        """Rebuild from :meth:`to_dict` output."""
+        d = dict(d)
+        d["device"] = DeviceSpec.from_dict(d["device"])
+        d["modules"] = {k: ModuleProfile.from_dict(m) for k, m in d["modules"].items()}
+        return cls(**d)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Serialize to JSON; :meth:`from_json` gives back an equal profile."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        """Parse :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))

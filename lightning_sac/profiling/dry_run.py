@@ -1,0 +1,140 @@
+"""``profile_model``: a fake-tensor dry run of one training step that measures every module."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_sac.devices import DeviceSpec, get_device_spec
+from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.profiling.emulation import CudaAttentionEmulation, cpu_workspace_bytes, fake_copy, fake_inputs
+from lightning_sac.profiling.recorder import StepRecorder
+from lightning_sac.profiling.runtime import make_estimator
+from lightning_sac.profiling.step import (
+    LossFn,
+    OptimizerFactory,
+    check_example_inputs,
+    tensors_of,
+    training_step,
+)
+
+__all__ = ["profile_model"]
+
+
+def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(spec.round_bytes(n) for n in storages.values())
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+    device: str | DeviceSpec = "auto",
+    estimate: str = "roofline",
+    share: tuple[object, ...] = (),
+) -> ModelProfile:
+    """Profile one training step of ``model`` on ``device`` without running it for real.
+
+    The step (forward, loss, backward, optimizer step) runs on a fake copy of the model under
+    ``FakeTensorMode``: no memory is spent on parameters or activations, and the user's model, its parameters
+    and their ``.grad`` are not touched. With an optimizer, a first unrecorded step creates its state and the
+    second is recorded; without one, the only step is recorded. The recorded step gathers, in one pass,
+    memory by category for every module, runtime per module and per op, SAC op statistics for every non-leaf
+    module, and the module execution orders.
+
+    A CUDA target on a machine without a GPU is emulated on fake CPU tensors: the allocator's 512-byte
+    rounding, the target's throughput and bandwidth, and attention through the flash/efficient kernels.
+
+    Args:
+        model: The model, on CPU with real weights or built under ``torch.device("meta")``.
+        example_inputs: Positional inputs, as in ``model(*example_inputs)``.
+        loss_fn: Maps the model's output to a scalar loss; default ``output.sum()`` of the first float output.
+        optimizer_factory: Builds the optimizer the user trains with from an iterable of parameters.
+        device: Target: a name from :func:`lightning_sac.devices.known_devices`, a ``DeviceSpec``, or
+            ``"auto"`` (the visible CUDA device, else the CPU).
+        estimate: ``"roofline"`` (any target) or ``"benchmark"`` (time ops on this machine's CPU).
+        share: Objects reachable from ``model`` that must not be copied (e.g. a Lightning trainer).
+
+    Returns:
+        The profile, in bytes and milliseconds.
+
+    Raises:
+        ProfilingError: An op cannot run on fake tensors (data-dependent output); names the op and module.
+        TypeError: ``example_inputs`` is not a tuple.
+        ValueError: The loss is not a scalar, or ``estimate`` is unknown.
+        UnknownDeviceError: ``device`` names no known device.
+    """
+    example_inputs = check_example_inputs(example_inputs)
+    spec = get_device_spec(device)
+    estimator = make_estimator(estimate, spec)
+    run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
+    emulation = CudaAttentionEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
+
+    # Fake tensors from other modes or real tensors mixing in would silently allocate for real.
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fmodel = fake_copy(model, mode, run_on, share=share)
+    finputs = fake_inputs(example_inputs, mode, run_on)
+    params = list(fmodel.parameters())
+    with mode, emulation:
+        optimizer = optimizer_factory(params) if optimizer_factory is not None else None
+        if optimizer is not None:
+            warmup = StepRecorder(fmodel, spec, estimator, record=False)
+            try:
+                with warmup:
+                    training_step(fmodel, finputs, loss_fn, optimizer, warmup.set_phase)
+            finally:
+                warmup.close()
+        recorder = StepRecorder(
+            fmodel, spec, estimator, record=True, workspace=None if spec.is_cuda else cpu_workspace_bytes
+        )
+        try:
+            recorder.track_existing(params, "parameter")
+            recorder.track_existing(list(fmodel.buffers()), "buffer")
+            recorder.track_existing([p.grad for p in params if p.grad is not None], "gradient")
+            recorder.track_existing(_optimizer_state(optimizer, params), "optimizer_state")
+            recorder.track_existing(tensors_of(finputs), "other")
+            recorder.watch_gradients(params)
+            with recorder:
+                training_step(fmodel, finputs, loss_fn, optimizer, recorder.set_phase)
+        finally:
+            recorder.close()
+
+    modules = recorder.modules()
+    named = dict(fmodel.named_modules())
+    for fqn, prof in modules.items():
+        mod_params = list(named[fqn].parameters())
+        prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
+        prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
+        prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
+        prof.optimizer_state_bytes = _unique_storage_bytes(_optimizer_state(optimizer, mod_params), spec)
+
+    memory = recorder.memory
+    return ModelProfile(
+        device=spec,
+        estimate=estimate,
+        modules=modules,
+        forward_pre_order=recorder.orders["fwd_pre"],
+        forward_post_order=recorder.orders["fwd_post"],
+        backward_pre_order=recorder.orders["bwd_pre"],
+        backward_post_order=recorder.orders["bwd_post"],
+        peak_bytes=memory.peak.peak_total,
+        peak_breakdown=memory.peak.peak_snapshot,
+        peak_location=memory.peak_location,
+        forward_ms=recorder.phase_ms["forward"],
+        backward_ms=recorder.phase_ms["backward"],
+        optimizer_ms=recorder.phase_ms["optimizer"],
+        input_signature=[f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)],
+    )

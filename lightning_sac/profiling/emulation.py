@@ -1,0 +1,134 @@
+"""Fake copies of the user's model and inputs, and emulation of a CUDA target on fake CPU tensors.
+
+Fake CUDA tensors cannot run backward on a machine without a GPU, so a CUDA target is profiled on fake CPU
+tensors. What differs by device is then put back: the allocator's rounding (in :mod:`memory`), throughput
+and bandwidth (in :mod:`runtime`), and here the kernels whose saved tensors differ by device.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CudaAttentionEmulation", "cpu_workspace_bytes", "fake_copy", "fake_inputs"]
+
+aten = torch.ops.aten
+
+
+def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: str) -> torch.Tensor:
+    # empty_strided, not from_tensor: it works the same for real and meta tensors and never reads their data.
+    with mode:
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+
+
+def fake_copy(model: nn.Module, mode: FakeTensorMode, device: str, *, share: Iterable[object] = ()) -> nn.Module:
+    """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor of the same metadata.
+
+    No parameter data is read or copied, so a meta-device model of billions of parameters copies in
+    seconds. Tied parameters stay tied. The user's model, its parameters and their ``.grad`` are untouched.
+
+    Args:
+        model: The model to copy.
+        mode: The fake mode the copies belong to.
+        device: Device of the fake tensors (``"cpu"`` or ``"cuda"``).
+        share: Objects the copy should reference rather than copy (e.g. a Lightning trainer).
+    """
+    memo: dict[int, Any] = {id(o): o for o in share}
+    for p in model.parameters():
+        fake = nn.Parameter(_fake_like(p, mode, device), requires_grad=p.requires_grad)
+        memo[id(p)] = fake
+    for b in model.buffers():
+        memo[id(b)] = _fake_like(b, mode, device)
+    return copy.deepcopy(model, memo)
+
+
+def fake_inputs(x: Any, mode: FakeTensorMode, device: str) -> Any:
+    """Replace every tensor in a nested structure of tuples, lists and dicts by a fake one."""
+    if isinstance(x, torch.Tensor):
+        fake = _fake_like(x, mode, device)
+        return fake.requires_grad_(x.requires_grad) if x.is_floating_point() else fake
+    if isinstance(x, dict):
+        return {k: fake_inputs(v, mode, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(fake_inputs(v, mode, device) for v in x)
+    return x
+
+
+def _cuda_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Scaled-dot-product attention through the kernels CUDA would pick, so autograd saves what CUDA saves.
+
+    Flash attention (half precision, no mask) and memory-efficient attention (otherwise) save q, k, v, the
+    output and the log-sum-exp: O(T) per head. CPU attention with dropout takes the math path, which saves
+    the T x T attention matrix; profiling a GPU target on CPU without this would overstate its memory.
+    """
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # The efficient kernel takes an additive bias; CUDA converts boolean masks the same way.
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    needs_lse = query.requires_grad or key.requires_grad or value.requires_grad
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale
+    )[0]
+
+
+def _cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Dropout as CUDA runs it: the fused kernel, which saves a one-byte mask per element.
+
+    On CPU, ``aten.dropout`` decomposes into ``bernoulli_`` on a tensor of the input's dtype, which saves a
+    four-byte mask per element for fp32; CUDA takes the fused ``native_dropout`` whenever ``0 < p < 1``. The
+    in-place variant decomposes on both devices, so it is left alone.
+    """
+    if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0:
+        return F.dropout(input, p, training, inplace)  # inside the mode's handler: the plain function
+    return aten.native_dropout(input, p, True)[0]
+
+
+class CudaAttentionEmulation(TorchFunctionMode):
+    """Route attention and dropout to the CUDA kernels while profiling fake CPU tensors."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Intercept attention; pass everything else through."""
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _cuda_sdpa(*args, **kwargs)
+        if func is F.dropout:
+            return _cuda_dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes a CPU kernel allocates and frees inside one call, invisible to fake tensors.
+
+    oneDNN's convolution backward holds two input-sized buffers at once (the input copied into its own layout
+    and the gradient of the input before it is reordered back); torch.profiler's allocator events of a real
+    step show them, and on small conv nets they are the step's peak.
+    """
+    if func is aten.convolution_backward.default:
+        return 2 * _nbytes(args[1])
+    return 0

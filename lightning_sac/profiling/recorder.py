@@ -1,0 +1,369 @@
+"""The one fused pass: a dispatch mode and module hooks that record memory, runtime and SAC op stats at once.
+
+PyTorch's ``torch.distributed._tools`` gathers the same facts with three trackers over several passes. Here
+each aten op is seen once: its runtime is estimated, its new storages are counted by category, and, in
+forward, it is appended to one global op list; every module keeps only where its slice of that list starts
+and ends, so nested modules share the records instead of copying them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+
+from lightning_sac.devices import DeviceSpec
+from lightning_sac.errors import ProfilingError
+from lightning_sac.profiling.data import MemorySnapshot, ModuleOpStats, ModuleProfile
+from lightning_sac.profiling.memory import LiveMemory, PeakWatch
+from lightning_sac.profiling.ops import (
+    flat_tensors,
+    is_inplace,
+    is_random,
+    is_sac_ignored,
+    is_view_like,
+    mutated_tensors,
+    op_name,
+)
+from lightning_sac.profiling.runtime import RuntimeEstimator
+from lightning_sac.profiling.step import tensors_of
+
+__all__ = ["StepRecorder"]
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+_NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}
+
+
+@dataclass
+class _Op:
+    name: str
+    ms: float
+    new_bytes: int
+    view_like: bool
+    rand: bool
+    inplace_parent: int | None  # global index of the op that created the mutated storage; -1: from outside
+    outputs: tuple[tuple[int, int], ...]  # (storage id, serial) of each output
+
+
+@dataclass
+class _ModuleState:
+    profile: ModuleProfile
+    n_inputs: int = 0
+    op_start: int = 0
+    op_end: int = 0
+    fwd_start_ms: float = 0.0
+    fwd_watch: PeakWatch | None = None
+    bwd_start_ms: float | None = None
+    bwd_watch: PeakWatch | None = None
+    bwd_done: bool = False
+    force_store_random: bool = False
+    snapshots: dict[str, MemorySnapshot] = field(default_factory=dict)
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records one training step of a (fake) model. Enter it around the step; read :meth:`modules` after.
+
+    Args:
+        model: The fake copy being profiled; hooks are added to it and removed by :meth:`close`.
+        spec: Target device, for allocator rounding.
+        estimator: Per-op runtime estimator.
+        record: ``False`` only tracks which module runs (for error messages), as in the warm-up step.
+        workspace: Bytes an op's kernel allocates and frees within the call on the target, if known.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: DeviceSpec,
+        estimator: RuntimeEstimator,
+        *,
+        record: bool,
+        workspace: Callable[[Any, tuple[Any, ...], dict[str, Any]], int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.workspace = workspace
+        self.record = record
+        self.spec = spec
+        self.estimator = estimator
+        self.phase = "setup"
+        self.memory = LiveMemory(spec.round_bytes, self._location)
+        self.cum_ms = 0.0
+        self._phase_start_ms = 0.0
+        self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.ops: list[_Op] = []
+        self.orders: dict[str, list[str]] = {k: [] for k in ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")}
+        self._stack: list[str] = []
+        self._bwd_open: list[str] = []
+        self._producer: dict[int, int] = {}
+        self._serial: dict[int, int] = {}
+        self._next_serial = 0
+        self._saved: set[tuple[int, int]] = set()
+        self._states: dict[str, _ModuleState] = {}
+        self._handles: list[RemovableHandle] = []
+        self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
+        for fqn, module in model.named_modules():
+            is_leaf = next(module.children(), None) is None
+            self._states[fqn] = _ModuleState(ModuleProfile(fqn=fqn, module_type=type(module).__name__, is_leaf=is_leaf))
+            self._handles.append(module.register_forward_pre_hook(self._make_pre(fqn), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._make_post(fqn), with_kwargs=True))
+
+    # ----------------------------------------------------------------- life cycle
+    def set_phase(self, phase: str) -> None:
+        """Move to ``forward``, ``backward``, ``optimizer`` or ``done``; backward ends every open module."""
+        if self.phase in self.phase_ms:
+            self.phase_ms[self.phase] += self.cum_ms - self._phase_start_ms
+        self._phase_start_ms = self.cum_ms
+        if self.phase == "backward":
+            for fqn in reversed(list(self._bwd_open)):
+                self._end_backward(fqn)
+        self.phase = phase
+
+    def track_existing(self, tensors: Sequence[torch.Tensor], category: str) -> None:
+        """Count tensors that exist before the step (parameters, optimizer state, inputs) under ``category``."""
+        for t in tensors:
+            self._track(t.untyped_storage(), category)
+
+    def watch_gradients(self, params: list[nn.Parameter]) -> None:
+        """Count each parameter's ``.grad`` as a gradient once autograd accumulates it."""
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def __enter__(self) -> StepRecorder:
+        if self.record:
+            self._pack_ctx.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.record:
+            self._pack_ctx.__exit__(*exc)
+
+    def close(self) -> None:
+        """Remove every hook from the model and stop counting memory."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.memory.close()
+
+    # ----------------------------------------------------------------- memory helpers
+    def _track(self, storage: torch.UntypedStorage, category: str) -> int:
+        if self.memory.is_live(storage):
+            return 0
+        self._serial[id(storage)] = self._next_serial
+        self._next_serial += 1
+        return self.memory.track(storage, category)
+
+    def _key(self, storage: torch.UntypedStorage) -> tuple[int, int]:
+        return id(storage), self._serial.get(id(storage), -1)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.memory.recategorize(p.grad.untyped_storage(), "gradient")
+
+    def _pack(self, x: torch.Tensor) -> torch.Tensor:
+        if self.phase == "forward":
+            self._saved.add(self._key(x.untyped_storage()))
+        return x
+
+    def _location(self) -> str:
+        inner = (
+            self._stack[-1]
+            if self.phase == "forward" and self._stack
+            else (self._bwd_open[-1] if self.phase == "backward" and self._bwd_open else "")
+        )
+        return f"{self.phase}:{inner}"
+
+    def _storage_bytes(self, tensors: list[torch.Tensor]) -> int:
+        seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+        return sum(self.spec.round_bytes(n) for n in seen.values())
+
+    # ----------------------------------------------------------------- module hooks
+    def _make_pre(self, fqn: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            st = self._states[fqn]
+            st.profile.calls += 1
+            self._stack.append(fqn)
+            if not self.record:
+                return
+            self.orders["fwd_pre"].append(fqn)
+            st.fwd_start_ms = self.cum_ms
+            if st.profile.calls > 1:
+                return
+            inputs = tensors_of((args, kwargs))
+            st.n_inputs = len(inputs)
+            st.profile.input_bytes = self._storage_bytes(inputs)
+            st.force_store_random = not inputs
+            st.snapshots["pre_forward"] = self.memory.snapshot()
+            st.fwd_watch = self.memory.open_watch()
+            st.op_start = len(self.ops)
+            # Backward of this module is over once autograd has the gradients of its inputs, or, when no
+            # input needs one (token ids), of its parameters.
+            targets = [t for t in inputs if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
+            self._on_all_grads(targets, lambda: self._end_backward(fqn))
+
+        return hook
+
+    def _make_post(self, fqn: str) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            st = self._states[fqn]
+            self._stack.pop()
+            if not self.record:
+                return
+            self.orders["fwd_post"].append(fqn)
+            st.profile.forward_ms += self.cum_ms - st.fwd_start_ms
+            if st.profile.calls > 1 or st.fwd_watch is None:
+                return
+            outputs = tensors_of(output)
+            st.profile.output_bytes = self._storage_bytes(outputs)
+            st.snapshots["post_forward"] = self.memory.snapshot()
+            st.snapshots["peak_forward"] = st.fwd_watch.peak_snapshot
+            self.memory.close_watch(st.fwd_watch)
+            st.op_end = len(self.ops)
+            for t in outputs:
+                if t.requires_grad:
+                    self._handles.append(t.register_hook(lambda _g: self._begin_backward(fqn)))
+
+        return hook
+
+    def _on_all_grads(self, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+        # torch.autograd.graph.register_multi_grad_hook would do, but it keeps every gradient alive until the
+        # last one arrives, which shifts the very memory this recorder measures. A countdown keeps none.
+        remaining = [len({id(t) for t in tensors})]
+
+        def hook(_grad: torch.Tensor) -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                fn()
+
+        for t in {id(t): t for t in tensors}.values():
+            self._handles.append(t.register_hook(hook))
+
+    def _begin_backward(self, fqn: str) -> None:
+        st = self._states[fqn]
+        if st.bwd_start_ms is not None or not st.profile.calls:
+            return
+        # Several modules can return the same tensor (the root and its LM head); a module's backward has
+        # begun once any of its descendants' has, so ancestors begin first.
+        if fqn:
+            self._begin_backward(fqn.rpartition(".")[0])
+        self.orders["bwd_pre"].append(fqn)
+        st.bwd_start_ms = self.cum_ms
+        st.snapshots["pre_backward"] = self.memory.snapshot()
+        st.bwd_watch = self.memory.open_watch()
+        self._bwd_open.append(fqn)
+
+    def _end_backward(self, fqn: str) -> None:
+        st = self._states[fqn]
+        if st.bwd_done or st.bwd_start_ms is None:
+            return
+        # A child whose end autograd never signals (its inputs and parameters need no grad) ends with it.
+        prefix = f"{fqn}." if fqn else ""
+        for child in [c for c in self._bwd_open if c != fqn and c.startswith(prefix)]:
+            self._end_backward(child)
+        st.bwd_done = True
+        self.orders["bwd_post"].append(fqn)
+        st.profile.backward_ms = self.cum_ms - st.bwd_start_ms
+        st.snapshots["post_backward"] = self.memory.snapshot()
+        assert st.bwd_watch is not None
+        st.snapshots["peak_backward"] = st.bwd_watch.peak_snapshot
+        self.memory.close_watch(st.bwd_watch)
+        self._bwd_open.remove(fqn)
+
+    # ----------------------------------------------------------------- the ops
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """Run the op on fake tensors and record what it costs."""
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except _DATA_DEPENDENT as err:
+            module = self._location().split(":", 1)[1]
+            raise ProfilingError(
+                f"Module {module or '<root>'!r} calls {func}, whose output depends on tensor values, which a "
+                "fake-tensor dry run does not have (.item(), nonzero, boolean-mask indexing, ...). Move that "
+                "code out of the training step, or make it shape-static (e.g. torch.where instead of x[mask]). "
+                "The model was not changed; training without a plan still works.",
+                op=str(func),
+                module=module,
+            ) from err
+        if not self.record:
+            return out
+        ms = self.estimator(func, args, kwargs, out)
+        self.cum_ms += ms
+        for t in flat_tensors(args) + flat_tensors(list(kwargs.values())):
+            # A storage no op created was alive before the step (e.g. a tensor attribute): count it as such.
+            self._track(t.untyped_storage(), "other")
+        category = _NEW_STORAGE_CATEGORY.get(self.phase, "other")
+        new_bytes = 0
+        keys = []
+        for t in flat_tensors(out):
+            st = t.untyped_storage()
+            added = not self.memory.is_live(st)
+            new_bytes += self._track(st, category)
+            if added:
+                self._producer[id(st)] = len(self.ops)
+            keys.append(self._key(st))
+        if self.workspace is not None:
+            self.memory.transient(self.workspace(func, args, kwargs))
+        if self.phase == "forward" and not is_sac_ignored(func):
+            parent = None
+            if is_inplace(func):
+                mutated = mutated_tensors(func, args, kwargs)
+                parent = self._producer.get(id(mutated[0].untyped_storage()), -1) if mutated else -1
+            self.ops.append(
+                _Op(
+                    name=op_name(func),
+                    ms=ms,
+                    new_bytes=new_bytes,
+                    view_like=is_view_like(func),
+                    rand=is_random(func, args, kwargs),
+                    inplace_parent=parent,
+                    outputs=tuple(keys),
+                )
+            )
+        return out
+
+    # ----------------------------------------------------------------- results
+    def _op_stats(self, st: _ModuleState) -> ModuleOpStats:
+        ops = self.ops[st.op_start : st.op_end]
+        stats = ModuleOpStats(force_store_random=st.force_store_random)
+        for i, op in enumerate(ops):
+            stats.func_names.append(op.name)
+            stats.runtimes.append(op.ms)
+            stats.memory.append(op.new_bytes)
+            if op.view_like:
+                stats.view_like_ops.append(i)
+            if op.rand:
+                stats.rand_ops.append(i)
+            if op.outputs and all(k in self._saved for k in op.outputs):
+                stats.saved_autograd_ops.append(i)
+            if op.inplace_parent is not None:
+                parent = op.inplace_parent - st.op_start
+                stats.inplace_ops.append((i, parent if 0 <= parent < i else i))
+        return stats
+
+    def modules(self) -> dict[str, ModuleProfile]:
+        """Per-module profiles, in forward pre-order, with snapshots and (non-leaf) op stats filled in."""
+        out: dict[str, ModuleProfile] = {}
+        order = list(dict.fromkeys(self.orders["fwd_pre"]))
+        order += [f for f in self._states if f not in out and f not in order]
+        for fqn in order:
+            st = self._states[fqn]
+            for phase, snap in st.snapshots.items():
+                st.profile.memory[phase] = snap
+            if not st.profile.is_leaf and st.profile.calls:
+                st.profile.op_stats = self._op_stats(st)
+            out[fqn] = st.profile
+        return out

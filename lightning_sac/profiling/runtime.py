@@ -1,0 +1,183 @@
+"""Per-op runtime estimates: a roofline for any target, or timing real tensors on this machine.
+
+Both are called once per op from inside the dry run's dispatch mode, with the op's fake arguments and output.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Protocol
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.flop_counter import flop_registry
+
+from lightning_sac.devices import DeviceSpec
+from lightning_sac.profiling.ops import flat_tensors, is_sac_ignored, is_view_like
+
+__all__ = ["BenchmarkEstimator", "RooflineEstimator", "RuntimeEstimator", "make_estimator", "op_flops"]
+
+aten = torch.ops.aten
+
+# torch's flop registry has no entry for the CPU flash-attention kernels, which do the same matmuls as the
+# CUDA ones; without these the "cpu" target would see attention as free of compute.
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[
+        aten._scaled_dot_product_flash_attention_backward
+    ],
+}
+
+
+class RuntimeEstimator(Protocol):
+    """Estimates one op's runtime in ms from its (fake) arguments and output."""
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+        """Return the estimated runtime of ``func`` in ms."""
+        ...
+
+
+def _no_kernel(func: Any) -> bool:
+    # Views and the ops SAC ignores (detach, metadata queries) launch no kernel on a GPU.
+    return is_view_like(func) or is_sac_ignored(func)
+
+
+def op_flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Floating-point operations of one op call, from ``torch.utils.flop_counter``'s formulas (0 if none)."""
+    packet: Any = getattr(func, "overloadpacket", None)
+    formula = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def _touched_bytes(tensor: torch.Tensor) -> int:
+    # A broadcast (stride 0) dimension is read once, not once per element.
+    n = 1
+    for size, stride in zip(tensor.shape, tensor.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return n * tensor.element_size()
+
+
+class RooflineEstimator:
+    """Runtime as the slower of compute and memory traffic at the target's peak rates.
+
+    Args:
+        spec: The target device.
+        tf32: Whether fp32 matmuls run on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``).
+    """
+
+    def __init__(self, spec: DeviceSpec, *, tf32: bool = False) -> None:
+        self.spec = spec
+        self.tf32 = tf32
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+        """Return ``max(flops / peak, bytes / bandwidth)`` in ms."""
+        if _no_kernel(func):
+            return 0.0
+        outs = flat_tensors(out)
+        ins = flat_tensors(args) + flat_tensors(list(kwargs.values()))
+        moved = sum(_touched_bytes(t) for t in ins) + sum(_touched_bytes(t) for t in outs)
+        memory_s = moved / (self.spec.dram_gbps * 1e9)
+        flops = op_flops(func, args, kwargs, out)
+        if flops == 0:
+            return memory_s * 1e3
+        dtype = next((t.dtype for t in outs if t.is_floating_point()), torch.float32)
+        compute_s = flops / (self.spec.peak_tflops(dtype, tf32=self.tf32) * 1e12)
+        return max(compute_s, memory_s) * 1e3
+
+
+def _real_like(x: Any) -> Any:
+    """A real CPU tensor with the fake tensor's shape, strides and dtype, holding valid indices and values."""
+    if not isinstance(x, torch.Tensor):
+        if isinstance(x, (list, tuple)):
+            return type(x)(_real_like(v) for v in x)
+        return x
+    real = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
+    # Zeros are valid indices for embedding, gather and losses; floats get values of a typical scale.
+    if real.is_floating_point():
+        real.normal_()
+    else:
+        real.zero_()
+    return real
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _signature(v)) for k, v in x.items()))
+    return repr(x)
+
+
+class BenchmarkEstimator:
+    """Runtime measured by running each op on real CPU tensors of the same shapes (this machine only).
+
+    Results are cached by operator and argument signature, so a 32-block model times each distinct op once.
+
+    Args:
+        min_seconds: Keep repeating an op until this much time has been measured.
+        max_repeats: Upper bound on repetitions per op.
+    """
+
+    def __init__(self, *, min_seconds: float = 2e-3, max_repeats: int = 20) -> None:
+        self.min_seconds = min_seconds
+        self.max_repeats = max_repeats
+        self._cache: dict[Any, float] = {}
+        self._warned: set[str] = set()
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float:
+        """Return the measured runtime of ``func`` on real tensors, ms."""
+        if _no_kernel(func):
+            return 0.0
+        key = (func, _signature(args), _signature(kwargs))
+        if key in self._cache:
+            return self._cache[key]
+        with unset_fake_temporarily(), torch.no_grad():
+            real_args, real_kwargs = _real_like(args), {k: _real_like(v) for k, v in kwargs.items()}
+            try:
+                func(*real_args, **real_kwargs)  # warm-up: first calls pay for lazy initialisation
+            except RuntimeError as err:
+                # Synthetic values can be invalid for a few ops (e.g. multinomial on zero weights). Such an op
+                # falls back to 0 ms, and the user is told once which op it was.
+                if str(func) not in self._warned:
+                    self._warned.add(str(func))
+                    warnings.warn(
+                        f"lightning-sac could not time {func} on synthetic inputs ({err}); its runtime is "
+                        "counted as 0 ms. Use estimate='roofline' if this op matters.",
+                        stacklevel=2,
+                    )
+                self._cache[key] = 0.0
+                return 0.0
+            elapsed, n = 0.0, 0
+            while n < self.max_repeats and (elapsed < self.min_seconds or n < 2):
+                start = time.perf_counter()
+                func(*real_args, **real_kwargs)
+                elapsed += time.perf_counter() - start
+                n += 1
+        ms = elapsed / n * 1e3
+        self._cache[key] = ms
+        return ms
+
+
+def make_estimator(kind: str, spec: DeviceSpec) -> RuntimeEstimator:
+    """Build the estimator named by ``kind`` (``"roofline"`` or ``"benchmark"``) for ``spec``.
+
+    Raises:
+        ValueError: ``kind`` is neither, or ``"benchmark"`` is asked for a device this machine is not.
+    """
+    if kind == "roofline":
+        tf32 = spec.is_cuda and torch.get_float32_matmul_precision() != "highest"
+        return RooflineEstimator(spec, tf32=tf32)
+    if kind == "benchmark":
+        if spec.is_cuda:
+            raise ValueError(
+                f"estimate='benchmark' times ops on this machine's CPU, so it cannot estimate {spec.name!r}. "
+                "Use estimate='roofline' to plan for a GPU, or device='cpu' to benchmark the CPU."
+            )
+        return BenchmarkEstimator()
+    raise ValueError(f"estimate must be 'roofline' or 'benchmark', got {kind!r}.")

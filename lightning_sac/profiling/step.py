@@ -1,0 +1,110 @@
+"""One training step, written once and run both on fake tensors (the dry run) and on real ones (measurement).
+
+Profiling and ground truth must run the very same step, or comparing them measures the difference between
+two loops instead of the accuracy of the profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "LossFn",
+    "OptimizerFactory",
+    "check_example_inputs",
+    "default_loss",
+    "tensors_of",
+    "training_step",
+]
+
+LossFn = Callable[[Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _leaves(x: Any) -> list[Any]:
+    if isinstance(x, dict):
+        return [leaf for v in x.values() for leaf in _leaves(v)]
+    if isinstance(x, (tuple, list)):
+        return [leaf for v in x for leaf in _leaves(v)]
+    return [x]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Sum of the first floating-point tensor in the model's output (a tensor, or nested tuples/lists/dicts)."""
+    for leaf in _leaves(output):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.sum()
+    raise TypeError(
+        f"The model returned {type(output).__name__} with no floating-point tensor, so the default loss "
+        "(output.sum()) cannot be formed. Pass loss_fn=callable(output) -> scalar tensor."
+    )
+
+
+def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    """Return ``example_inputs`` if it is a tuple of positional inputs, else raise a ``TypeError`` saying how."""
+    if not isinstance(example_inputs, tuple):
+        raise TypeError(
+            "example_inputs must be a tuple of the positional inputs of model(*example_inputs), got "
+            f"{type(example_inputs).__name__}. For a single tensor x pass (x,)."
+        )
+    return example_inputs
+
+
+def _check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        got = (
+            f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise ValueError(
+            f"loss_fn must return a scalar floating-point tensor, got {got}. Reduce it, e.g. with .mean()."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "The loss does not require grad, so backward would not run: is the model in torch.no_grad() or "
+            "are all of its parameters frozen?"
+        )
+    return loss
+
+
+def training_step(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    on_phase: Callable[[str], None] = lambda phase: None,
+) -> None:
+    """Run forward, loss, backward and (if given) the optimizer step with ``zero_grad(set_to_none=True)``.
+
+    The model's output is dropped before backward, as a Lightning ``training_step`` that returns only the loss
+    drops it: whatever autograd did not save is free during backward.
+
+    Args:
+        model: The module to train.
+        inputs: Positional inputs of ``model``.
+        loss_fn: Maps the output to a scalar loss; ``None`` sums the first floating-point output.
+        optimizer: Stepped after backward when given.
+        on_phase: Called with ``"forward"``, ``"backward"``, ``"optimizer"`` and ``"done"`` as the step moves on.
+    """
+    on_phase("forward")
+    output = model(*inputs)
+    loss = _check_loss((loss_fn or default_loss)(output))
+    del output
+    on_phase("backward")
+    loss.backward()
+    del loss
+    on_phase("optimizer")
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    on_phase("done")
+
+
+def tensors_of(x: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure of tuples, lists and dicts."""
+    return [leaf for leaf in _leaves(x) if isinstance(leaf, torch.Tensor)]

@@ -1,0 +1,366 @@
+from __future__ import annotations
+
+import json
+import os
+import types
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sac.devices import (
+    DEVICE_SPECS,
+    DeviceSpec,
+    UnknownDeviceError,
+    detect_device,
+    get_device_spec,
+    known_devices,
+)
+
+REQUIRED = [
+    "A100-40GB",
+    "A100-80GB",
+    "H100-SXM",
+    "H100-PCIe",
+    "H200",
+    "B200",
+    "L4",
+    "L40S",
+    "A10G",
+    "RTX-4090",
+    "V100",
+    "MI300X",
+    "cpu",
+]
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, name: str, total_memory: int) -> None:
+    props = types.SimpleNamespace(name=name, total_memory=total_memory, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def get_device_properties(device: Any = None) -> types.SimpleNamespace:
+        assert device == 0
+        return props
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
+
+
+# --- lookup -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_required_devices_present(name: str) -> None:
+    assert name in DEVICE_SPECS
+    assert name in known_devices()
+    assert DEVICE_SPECS[name].name == name
+
+
+def test_known_devices_sorted_and_complete() -> None:
+    names = known_devices()
+    assert names == sorted(names)
+    assert set(names) == set(DEVICE_SPECS)
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("H100-SXM", "H100-SXM"),
+        ("h100_sxm", "H100-SXM"),
+        ("H100 SXM", "H100-SXM"),
+        ("h100sxm", "H100-SXM"),
+        ("a100-40gb", "A100-40GB"),
+        ("A100 80GB", "A100-80GB"),
+        ("h100 pcie", "H100-PCIe"),
+        ("rtx4090", "RTX-4090"),
+        ("Mi300x", "MI300X"),
+        ("CPU", "cpu"),
+        ("l40s", "L40S"),
+        ("l4", "L4"),
+    ],
+)
+def test_lookup_ignores_case_and_separators(query: str, expected: str) -> None:
+    assert get_device_spec(query) is DEVICE_SPECS[expected]
+
+
+def test_unknown_name_raises_with_known_names() -> None:
+    with pytest.raises(UnknownDeviceError, match=r"'TPU-v5'.*A100-40GB.*H100-SXM.*MI300X.*cpu") as info:
+        get_device_spec("TPU-v5")
+    message = str(info.value)
+    for name in REQUIRED:
+        assert name in message
+    assert "DeviceSpec(" in message
+    # Callers that catch ValueError keep working.
+    assert isinstance(info.value, ValueError)
+
+
+def test_non_string_device_is_type_error() -> None:
+    with pytest.raises(TypeError, match="str or DeviceSpec"):
+        get_device_spec(80)  # type: ignore[arg-type]
+
+
+def test_user_spec_passes_through_unchanged() -> None:
+    mine = DeviceSpec(
+        name="my-accelerator",
+        memory_gib=48.0,
+        tflops={"fp32": 90.0, "bf16": 360.0},
+        dram_gbps=900.0,
+        allocator_rounding=512,
+        is_cuda=True,
+    )
+    assert get_device_spec(mine) is mine
+
+
+def test_auto_is_detect_device() -> None:
+    assert get_device_spec("auto") == detect_device()
+    assert get_device_spec() == detect_device()
+
+
+# --- table figures ----------------------------------------------------------------------------------
+
+
+def test_h100_sxm_dense_figures() -> None:
+    h100 = DEVICE_SPECS["H100-SXM"]
+    # Dense, not the 1979 / 989 / 3958 "with sparsity" datasheet headline numbers.
+    assert h100.tflops["bf16"] == pytest.approx(989.4)
+    assert h100.tflops["fp16"] == pytest.approx(989.4)
+    assert h100.tflops["tf32"] == pytest.approx(494.7)
+    assert h100.tflops["fp8"] == pytest.approx(1978.9)
+    assert h100.tflops["fp32"] == pytest.approx(67.0)
+    assert h100.memory_gib == 80.0
+    assert h100.dram_gbps == 3350.0
+    assert h100.is_cuda and h100.allocator_rounding == 512
+
+
+def test_a100_dense_figures() -> None:
+    a100 = DEVICE_SPECS["A100-40GB"]
+    assert a100.tflops["bf16"] == pytest.approx(312.0)
+    assert a100.tflops["tf32"] == pytest.approx(156.0)
+    assert a100.tflops["fp32"] == pytest.approx(19.5)
+    assert a100.dram_gbps == 1555.0
+    assert a100.memory_gib == 40.0
+    assert DEVICE_SPECS["A100-80GB"].dram_gbps == 2039.0
+    assert DEVICE_SPECS["A100-80GB"].memory_gib == 80.0
+
+
+def test_l4_dense_figures() -> None:
+    l4 = DEVICE_SPECS["L4"]
+    assert l4.tflops["tf32"] == pytest.approx(60.0)
+    assert l4.tflops["bf16"] == pytest.approx(121.0)
+    assert l4.tflops["fp8"] == pytest.approx(242.5)
+    assert l4.dram_gbps == 300.0
+
+
+def test_fp8_only_where_it_exists() -> None:
+    for name in ("A100-40GB", "A100-80GB", "A10G", "V100", "cpu"):
+        assert "fp8" not in DEVICE_SPECS[name].tflops, name
+    for name in ("H100-SXM", "H100-PCIe", "H200", "B200", "L4", "L40S", "RTX-4090", "MI300X"):
+        assert "fp8" in DEVICE_SPECS[name].tflops, name
+    assert "bf16" not in DEVICE_SPECS["V100"].tflops
+    assert "tf32" not in DEVICE_SPECS["V100"].tflops
+
+
+@pytest.mark.parametrize("name", [n for n in REQUIRED if n != "cpu"])
+def test_tensor_figures_are_ordered(name: str) -> None:
+    # Sanity against typos: low-precision tensor math is never slower than FP32 vector math, and bf16/fp16
+    # are at least tf32 where the part has them. (L40S prints bf16 362.05 but fp8 733, hence the 2% slack.)
+    t = DEVICE_SPECS[name].tflops
+    assert t["fp16"] >= t["fp32"]
+    if "tf32" in t:
+        assert t["tf32"] >= t["fp32"]
+        assert t["fp16"] >= t["tf32"]
+    if "fp8" in t:
+        assert t["fp8"] == pytest.approx(2 * t["fp16"], rel=0.02)
+
+
+def test_cpu_entry() -> None:
+    cpu = DEVICE_SPECS["cpu"]
+    assert not cpu.is_cuda
+    assert cpu.allocator_rounding == 1
+    expected_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cpu.memory_bytes == expected_bytes
+    assert cpu.tflops["fp32"] == pytest.approx(0.2)
+    assert cpu.dram_gbps == 20.0
+
+
+def test_table_is_read_only() -> None:
+    with pytest.raises(TypeError):
+        DEVICE_SPECS["H100-SXM"].tflops["bf16"] = 1.0  # type: ignore[index]
+    with pytest.raises(TypeError):
+        DEVICE_SPECS["fake"] = DEVICE_SPECS["cpu"]  # type: ignore[index]
+
+
+# --- DeviceSpec behaviour ---------------------------------------------------------------------------
+
+
+def test_memory_bytes() -> None:
+    assert DEVICE_SPECS["H100-SXM"].memory_bytes == 80 * 2**30
+    assert DEVICE_SPECS["V100"].memory_bytes == 32 * 2**30
+
+
+@pytest.mark.parametrize(("nbytes", "expected"), [(0, 0), (1, 512), (511, 512), (512, 512), (513, 1024)])
+def test_round_bytes_cuda(nbytes: int, expected: int) -> None:
+    assert DEVICE_SPECS["H100-SXM"].round_bytes(nbytes) == expected
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 512, 513, 10**9 + 3])
+def test_round_bytes_cpu_is_identity(nbytes: int) -> None:
+    assert DEVICE_SPECS["cpu"].round_bytes(nbytes) == nbytes
+
+
+def test_round_bytes_rejects_negative() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        DEVICE_SPECS["A100-40GB"].round_bytes(-1)
+
+
+def test_peak_tflops_mapping() -> None:
+    h100 = DEVICE_SPECS["H100-SXM"]
+    assert h100.peak_tflops(torch.float32) == pytest.approx(67.0)
+    assert h100.peak_tflops(torch.float32, tf32=True) == pytest.approx(494.7)
+    assert h100.peak_tflops(torch.float64) == pytest.approx(67.0)
+    assert h100.peak_tflops(torch.bfloat16) == pytest.approx(989.4)
+    assert h100.peak_tflops(torch.float16) == pytest.approx(989.4)
+    assert h100.peak_tflops(torch.float8_e4m3fn) == pytest.approx(1978.9)
+    assert h100.peak_tflops(torch.float8_e5m2) == pytest.approx(1978.9)
+    # Index and mask dtypes use the fp32 figure.
+    assert h100.peak_tflops(torch.int64) == pytest.approx(67.0)
+    assert h100.peak_tflops(torch.bool) == pytest.approx(67.0)
+    assert h100.peak_tflops(torch.uint8) == pytest.approx(67.0)
+    # Complex dtypes use their real component's figure.
+    assert h100.peak_tflops(torch.complex64) == pytest.approx(67.0)
+    assert h100.peak_tflops(torch.complex64, tf32=True) == pytest.approx(494.7)
+
+
+def test_peak_tflops_fallbacks() -> None:
+    v100 = DEVICE_SPECS["V100"]
+    # No BF16, TF32 or FP8 on Volta: fall back to the FP32 figure.
+    assert v100.peak_tflops(torch.bfloat16) == pytest.approx(15.7)
+    assert v100.peak_tflops(torch.float32, tf32=True) == pytest.approx(15.7)
+    assert v100.peak_tflops(torch.float8_e4m3fn) == pytest.approx(15.7)
+    assert v100.peak_tflops(torch.float16) == pytest.approx(125.0)
+    assert v100.peak_tflops(torch.float64) == pytest.approx(7.8)
+    # No published FP64 figure: fp32 / 64.
+    assert DEVICE_SPECS["L4"].peak_tflops(torch.float64) == pytest.approx(30.3 / 64)
+    # A100 has TF32 but no FP8.
+    a100 = DEVICE_SPECS["A100-40GB"]
+    assert a100.peak_tflops(torch.float32, tf32=True) == pytest.approx(156.0)
+    assert a100.peak_tflops(torch.float8_e5m2) == pytest.approx(19.5)
+    # CPU: no fp16 figure.
+    assert DEVICE_SPECS["cpu"].peak_tflops(torch.float16) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_SPECS))
+def test_json_round_trip(name: str) -> None:
+    spec = DEVICE_SPECS[name]
+    restored = DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert restored == spec
+    assert restored.memory_bytes == spec.memory_bytes
+    assert dict(restored.tflops) == dict(spec.tflops)
+    assert hash(restored) == hash(spec)
+
+
+def test_from_dict_rejects_bad_keys() -> None:
+    d = DEVICE_SPECS["L4"].to_dict()
+    with pytest.raises(ValueError, match="unexpected keys"):
+        DeviceSpec.from_dict({**d, "sm_count": 58})
+    del d["dram_gbps"]
+    with pytest.raises(ValueError, match="missing keys.*dram_gbps"):
+        DeviceSpec.from_dict(d)
+
+
+def test_spec_validation() -> None:
+    base: dict[str, Any] = {
+        "name": "x",
+        "memory_gib": 1.0,
+        "tflops": {"fp32": 1.0},
+        "dram_gbps": 1.0,
+        "allocator_rounding": 1,
+        "is_cuda": False,
+    }
+    DeviceSpec(**base)
+    with pytest.raises(ValueError, match="fp32"):
+        DeviceSpec(**{**base, "tflops": {"bf16": 1.0}})
+    with pytest.raises(ValueError, match="int8"):
+        DeviceSpec(**{**base, "tflops": {"fp32": 1.0, "int8": 2.0}})
+    with pytest.raises(ValueError, match="memory_gib"):
+        DeviceSpec(**{**base, "memory_gib": 0})
+    with pytest.raises(ValueError, match="allocator_rounding"):
+        DeviceSpec(**{**base, "allocator_rounding": 0})
+
+
+def test_spec_does_not_alias_caller_dict() -> None:
+    tflops = {"fp32": 1.0}
+    spec = DeviceSpec(name="x", memory_gib=1, tflops=tflops, dram_gbps=1, allocator_rounding=1, is_cuda=False)
+    tflops["fp32"] = 99.0
+    assert spec.tflops["fp32"] == 1.0
+    assert isinstance(spec.memory_gib, float)
+
+
+# --- detection --------------------------------------------------------------------------------------
+
+
+def test_detect_device_without_cuda_is_cpu() -> None:
+    assert not torch.cuda.is_available()  # this machine has no GPU
+    assert detect_device() is DEVICE_SPECS["cpu"]
+
+
+def test_detect_device_fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", 85520809984)
+    spec = detect_device()
+    h100 = DEVICE_SPECS["H100-SXM"]
+    assert spec.is_cuda
+    assert spec.name == "NVIDIA H100 80GB HBM3"
+    assert spec.memory_bytes == 85520809984
+    assert spec.memory_gib == pytest.approx(79.6474609375)
+    assert spec.tflops == h100.tflops
+    assert spec.dram_gbps == h100.dram_gbps
+    assert spec.allocator_rounding == 512
+    assert spec.peak_tflops(torch.bfloat16) == pytest.approx(989.4)
+    assert get_device_spec("auto") == spec
+    # The detected spec serializes like any other.
+    assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize(
+    ("driver_name", "entry"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA B200", "B200"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10G"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("Tesla V100-SXM2-32GB", "V100"),
+        ("AMD Instinct MI300X", "MI300X"),
+    ],
+)
+def test_detect_device_matches_driver_names(
+    monkeypatch: pytest.MonkeyPatch, driver_name: str, entry: str
+) -> None:
+    _fake_cuda(monkeypatch, driver_name, 20 * 2**30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a matched name must not warn
+        spec = detect_device()
+    assert spec.name == driver_name
+    assert spec.memory_bytes == 20 * 2**30
+    assert spec.tflops == DEVICE_SPECS[entry].tflops
+    assert spec.dram_gbps == DEVICE_SPECS[entry].dram_gbps
+    assert spec.is_cuda
+
+
+def test_detect_device_unknown_gpu_warns_and_uses_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, "NVIDIA GeForce GTX 1080", 8 * 2**30)
+    with pytest.warns(UserWarning, match="GTX 1080.*A100-40GB"):
+        spec = detect_device()
+    assert spec.name == "NVIDIA GeForce GTX 1080"
+    assert spec.memory_bytes == 8 * 2**30
+    assert spec.tflops == DEVICE_SPECS["A100-40GB"].tflops
+    assert spec.is_cuda

@@ -52,11 +52,11 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.runtime_estimator import RuntimeEstimator
 from torch.distributed._tools.sac_estimator import SACEstimator
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["cpu_patches", "count_passes", "run_torch_pipeline"]
 

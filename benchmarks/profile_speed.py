@@ -34,8 +34,8 @@ for _p in (_ROOT, _HERE):
         sys.path.insert(0, _p)
 
 import torch  # noqa: E402
-
 from _torch_reference import count_passes, run_torch_pipeline  # noqa: E402
+
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
 
 GOAL_RATIO_AT_4 = 0.3
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         idx = torch.randint(0, args.vocab, (args.batch, args.seq_len))
 
-        def torch_side() -> dict[str, Any]:
+        def torch_side(cfg: GPTConfig = cfg, idx: torch.Tensor = idx) -> dict[str, Any]:
             return run_torch_pipeline(
                 lambda: GPT(cfg),
                 (idx,),
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if profile_model is not None:
             # A fresh meta-device model per call (built outside the timing): profile_model fakes it itself.
-            def ours_side() -> Any:
+            def ours_side(cfg: GPTConfig = cfg, idx: torch.Tensor = idx) -> Any:
                 with torch.device("meta"):
                     model = GPT(cfg)
                 t = time.perf_counter()
@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- table -------------------------------------------------------------------------------------------
     print()
     print("Passes = forward+backward traversals of the model (f=forwards, b=backwards, o=optimizer steps).")
-    header = f"{'depth':>5} | {'torch s':>8} | {'ours s':>8} | {'ours/torch':>10} | {'torch passes':>16} | {'ours passes':>16}"
+    header = (
+        f"{'depth':>5} | {'torch s':>8} | {'ours s':>8} | {'ours/torch':>10} | "
+        f"{'torch passes':>16} | {'ours passes':>16}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -213,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{goal}: NOT EVALUATED (profile_model missing or failed).")
         return 0
     ratios = [r["ours_s"] / r["torch_s"] for r in timed]
-    at4 = next((x for r, x in zip(timed, ratios) if r["depth"] == 4), None)
+    at4 = next((x for r, x in zip(timed, ratios, strict=True) if r["depth"] == 4), None)
     first_ok = at4 is not None and at4 <= GOAL_RATIO_AT_4
-    widening = all(b <= a for a, b in zip(ratios, ratios[1:]))
+    widening = all(b <= a for a, b in zip(ratios, ratios[1:], strict=False))
     verdict = "HOLDS" if first_ok and widening else "DOES NOT HOLD"
     detail = (
         f"depth-4 ratio {'n/a (depth 4 not run)' if at4 is None else f'{at4:.3f}'}, "

@@ -83,8 +83,9 @@ def profile_model(
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
     emulation = CudaAttentionEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
 
-    # Fake tensors from other modes or real tensors mixing in would silently allocate for real.
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
+    # and counted as memory that existed before the step ("other"), as they would on the device.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     fmodel = fake_copy(model, mode, run_on, share=share)
     finputs = fake_inputs(example_inputs, mode, run_on)
     params = list(fmodel.parameters())

@@ -8,6 +8,7 @@ and ends, so nested modules share the records instead of copying them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
@@ -53,6 +55,12 @@ class _Op:
     rand: bool
     inplace_parent: int | None  # global index of the op that created the mutated storage; -1: from outside
     outputs: tuple[tuple[int, int], ...]  # (storage id, serial) of each output
+
+
+@dataclass
+class _GradEvents:
+    produced_by: list[str] = field(default_factory=list)  # modules that returned the tensor
+    consumed_by: list[Callable[[], None]] = field(default_factory=list)  # countdowns of modules it was input to
 
 
 @dataclass
@@ -110,6 +118,7 @@ class StepRecorder(TorchDispatchMode):
         self._saved: set[tuple[int, int]] = set()
         self._states: dict[str, _ModuleState] = {}
         self._handles: list[RemovableHandle] = []
+        self._tensor_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
         for fqn, module in model.named_modules():
             is_leaf = next(module.children(), None) is None
@@ -232,22 +241,41 @@ class StepRecorder(TorchDispatchMode):
             st.op_end = len(self.ops)
             for t in outputs:
                 if t.requires_grad:
-                    self._handles.append(t.register_hook(lambda _g: self._begin_backward(fqn)))
+                    self._grad_events(t).produced_by.append(fqn)
 
         return hook
+
+    def _grad_events(self, t: torch.Tensor) -> _GradEvents:
+        # One hook per tensor, so that when several modules share a tensor (an identity module returns its
+        # input) their events run in a meaningful order rather than in hook registration order.
+        events = self._tensor_events.get(t)
+        if events is None:
+            events = _GradEvents()
+            self._tensor_events[t] = events
+            self._handles.append(t.register_hook(functools.partial(self._on_grad_ready, events)))
+        return events
+
+    def _on_grad_ready(self, events: _GradEvents, _grad: torch.Tensor) -> None:
+        # Backward runs forward in reverse: the module that finished its forward last begins first, and the
+        # module that took this tensor as input last ends first, after every module that produced it began.
+        for fqn in reversed(events.produced_by):
+            self._begin_backward(fqn)
+        for tick in reversed(events.consumed_by):
+            tick()
 
     def _on_all_grads(self, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
         # torch.autograd.graph.register_multi_grad_hook would do, but it keeps every gradient alive until the
         # last one arrives, which shifts the very memory this recorder measures. A countdown keeps none.
-        remaining = [len({id(t) for t in tensors})]
+        unique = list({id(t): t for t in tensors}.values())
+        remaining = [len(unique)]
 
-        def hook(_grad: torch.Tensor) -> None:
+        def tick() -> None:
             remaining[0] -= 1
             if remaining[0] == 0:
                 fn()
 
-        for t in {id(t): t for t in tensors}.values():
-            self._handles.append(t.register_hook(hook))
+        for t in unique:
+            self._grad_events(t).consumed_by.append(tick)
 
     def _begin_backward(self, fqn: str) -> None:
         st = self._states[fqn]

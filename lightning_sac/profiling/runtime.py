@@ -95,13 +95,16 @@ def _real_like(x: Any) -> Any:
         if isinstance(x, (list, tuple)):
             return type(x)(_real_like(v) for v in x)
         return x
-    real = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="cpu")
+    # Allocate the extent the strides reach, fill it, then view it: broadcast (stride 0) and overlapping
+    # layouts cannot be filled in place.
+    extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True)) if x.numel() else 0
+    base = torch.empty(extent + x.storage_offset(), dtype=x.dtype, device="cpu")
     # Zeros are valid indices for embedding, gather and losses; floats get values of a typical scale.
-    if real.is_floating_point():
-        real.normal_()
+    if base.is_floating_point() or base.is_complex():
+        base.normal_()
     else:
-        real.zero_()
-    return real
+        base.zero_()
+    return base.as_strided(tuple(x.shape), tuple(x.stride()), x.storage_offset())
 
 
 def _signature(x: Any) -> Any:

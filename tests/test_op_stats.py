@@ -1,0 +1,131 @@
+"""SAC op statistics of non-leaf modules, and per-op runtime estimates, on modules small enough to check by hand."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_sac import get_device_spec, profile_model
+
+
+class Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)  # t (view) and addmm
+        h = h + 1  # add: a new tensor, nothing saved for backward
+        h.mul_(2)  # in-place on add's output
+        x.detach()  # ignored by SAC: must not appear
+        d = F.dropout(h, 0.5, self.training)  # random
+        return torch.tanh(d.view(-1))  # view, then tanh (saves its output)
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _stats(device="cpu"):
+    torch.manual_seed(0)
+    p = profile_model(Root(), (torch.randn(4, 8),), device=device)
+    return p, p.modules["body"].op_stats
+
+
+def test_op_list_skips_sac_ignored_ops_and_classifies_each_op():
+    _, s = _stats()
+    names = s.func_names
+    assert "aten.detach.default" not in names
+    assert names[:2] == ["aten.t.default", "aten.addmm.default"]
+    add, mul_ = names.index("aten.add.Tensor"), names.index("aten.mul_.Tensor")
+    view, tanh = names.index("aten.view.default"), names.index("aten.tanh.default")
+    assert names[-1] == "aten.tanh.default"
+    assert {0, view} <= set(s.view_like_ops) and add not in s.view_like_ops
+    assert (mul_, add) in s.inplace_ops  # parent: the op whose output storage mul_ mutates
+    assert s.memory[0] == 0 and s.memory[view] == 0 and s.memory[mul_] == 0
+    assert s.memory[names.index("aten.addmm.default")] == s.memory[add] == s.memory[tanh] == 4 * 8 * 4
+    assert tanh in s.saved_autograd_ops and add not in s.saved_autograd_ops
+    assert s.rand_ops and all(i > mul_ and i < view for i in s.rand_ops)  # CPU dropout: bernoulli_ on a fresh tensor
+    assert s.force_store_random is False
+    assert len(s.runtimes) == len(names) == len(s.memory)
+
+
+def test_inplace_on_a_tensor_from_outside_the_module_is_its_own_parent():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(3)  # x comes from the parent
+            return self.lin(x)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = Scale()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale(x * 1)
+
+    p = profile_model(Outer(), (torch.randn(4, 8),), device="cpu")
+    inner = p.modules["scale"].op_stats
+    i = inner.func_names.index("aten.mul_.Tensor")
+    assert (i, i) in inner.inplace_ops
+    outer = p.modules[""].op_stats
+    j, k = outer.func_names.index("aten.mul.Tensor"), outer.func_names.index("aten.mul_.Tensor")
+    assert (k, j) in outer.inplace_ops  # seen from the root, the storage was made by x * 1
+
+
+def test_module_without_tensor_inputs_forces_random_ops_to_be_stored():
+    class Noise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, n: int) -> torch.Tensor:
+            return self.lin(torch.rand(n, 8))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.noise = Noise()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.noise(x.shape[0]) * x
+
+    p = profile_model(Outer(), (torch.randn(4, 8),), device="cpu")
+    s = p.modules["noise"].op_stats
+    assert s.force_store_random is True
+    assert s.rand_ops == [s.func_names.index("aten.rand.default")]
+    assert p.modules[""].op_stats.force_store_random is False
+
+
+def test_roofline_runtime_of_a_matmul_is_max_of_compute_and_traffic():
+    p, s = _stats("H100-SXM")
+    spec = get_device_spec("H100-SXM")
+    i = s.func_names.index("aten.addmm.default")
+    flops = 2 * 4 * 8 * 8
+    moved = (8 + 4 * 8 + 8 * 8 + 4 * 8) * 4  # bias, input, weight.t(), output
+    expected_ms = max(flops / (spec.peak_tflops(torch.float32) * 1e12), moved / (spec.dram_gbps * 1e9)) * 1e3
+    assert s.runtimes[i] == expected_ms
+    assert s.runtimes[s.func_names.index("aten.t.default")] == 0.0  # views launch no kernel
+    assert p.modules["body"].forward_ms == sum(s.runtimes)
+
+
+def test_benchmark_estimate_times_real_ops_on_this_cpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512)))
+    p = profile_model(model, (torch.randn(256, 512),), device="cpu", estimate="benchmark")
+    s = p.modules["0"].op_stats
+    mm = [s.runtimes[i] for i, n in enumerate(s.func_names) if n == "aten.addmm.default"]
+    relu = s.runtimes[s.func_names.index("aten.relu.default")]
+    # Two 256x512x2048 matmuls of 0.5 GFLOP each: far slower than the ReLU over 0.5M elements on any CPU.
+    assert len(mm) == 2 and all(t > relu > 0 for t in mm)
+    assert p.estimate == "benchmark" and p.backward_ms > 0

@@ -342,9 +342,7 @@ def test_detect_device_fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
         ("AMD Instinct MI300X", "MI300X"),
     ],
 )
-def test_detect_device_matches_driver_names(
-    monkeypatch: pytest.MonkeyPatch, driver_name: str, entry: str
-) -> None:
+def test_detect_device_matches_driver_names(monkeypatch: pytest.MonkeyPatch, driver_name: str, entry: str) -> None:
     _fake_cuda(monkeypatch, driver_name, 20 * 2**30)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matched name must not warn

@@ -36,12 +36,64 @@ def test_gpt_fqns_and_structure():
 def test_mlp_execution_orders_exact():
     case = mlp_case()
     p = profile_model(case.model, case.inputs, device="cpu")
-    assert p.forward_pre_order == ["", "0", "0.fc", "0.act", "0.out", "0.drop", "1", "2", "2.fc", "2.act", "2.out", "2.drop"]
-    assert p.forward_post_order == ["0.fc", "0.act", "0.out", "0.drop", "0", "1", "2.fc", "2.act", "2.out", "2.drop", "2", ""]
+    assert p.forward_pre_order == [
+        "",
+        "0",
+        "0.fc",
+        "0.act",
+        "0.out",
+        "0.drop",
+        "1",
+        "2",
+        "2.fc",
+        "2.act",
+        "2.out",
+        "2.drop",
+    ]
+    assert p.forward_post_order == [
+        "0.fc",
+        "0.act",
+        "0.out",
+        "0.drop",
+        "0",
+        "1",
+        "2.fc",
+        "2.act",
+        "2.out",
+        "2.drop",
+        "2",
+        "",
+    ]
     # Backward mirrors forward. The drop layers have p=0 and return their input, so they begin as soon as
     # the module they wrap does and end at once.
-    assert p.backward_pre_order == ["", "2", "2.drop", "2.out", "2.act", "2.fc", "1", "0", "0.drop", "0.out", "0.act", "0.fc"]
-    assert p.backward_post_order == ["2.drop", "2.out", "2.act", "2.fc", "2", "1", "0.drop", "0.out", "0.act", "0.fc", "0", ""]
+    assert p.backward_pre_order == [
+        "",
+        "2",
+        "2.drop",
+        "2.out",
+        "2.act",
+        "2.fc",
+        "1",
+        "0",
+        "0.drop",
+        "0.out",
+        "0.act",
+        "0.fc",
+    ]
+    assert p.backward_post_order == [
+        "2.drop",
+        "2.out",
+        "2.act",
+        "2.fc",
+        "2",
+        "1",
+        "0.drop",
+        "0.out",
+        "0.act",
+        "0.fc",
+        "0",
+        "",
+    ]
 
 
 def test_gpt_backward_order_mirrors_forward():

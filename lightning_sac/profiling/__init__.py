@@ -2,5 +2,6 @@
 
 from lightning_sac.profiling.data import CATEGORIES, PHASES, ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.profiling.dry_run import profile_model
+from lightning_sac.profiling.render import render_profile
 
-__all__ = ["CATEGORIES", "PHASES", "ModelProfile", "ModuleOpStats", "ModuleProfile", "profile_model"]
+__all__ = ["CATEGORIES", "PHASES", "ModelProfile", "ModuleOpStats", "ModuleProfile", "profile_model", "render_profile"]

@@ -160,7 +160,7 @@ class ModelProfile:
             state and inputs included.
         peak_breakdown: That total by category.
         peak_location: Where the peak happened: phase (``forward``, ``backward``, ``optimizer``) and the
-            innermost running module, e.g. ``"backward:blocks.1.attn"``.
+            innermost running module, e.g. ``"backward:blocks.1.attn"`` (``<outside modules>``: the loss).
         forward_ms: Estimated time of the forward and loss, ms.
         backward_ms: Estimated time of the backward, ms.
         optimizer_ms: Estimated time of the optimizer step, ms.

@@ -191,7 +191,8 @@ class StepRecorder(TorchDispatchMode):
             if self.phase == "forward" and self._stack
             else (self._bwd_open[-1] if self.phase == "backward" and self._bwd_open else "")
         )
-        return f"{self.phase}:{inner}"
+        # Nothing open in forward or backward means the loss (or code outside every module) is running.
+        return f"{self.phase}:{inner}" if inner or self.phase == "optimizer" else f"{self.phase}:<outside modules>"
 
     def _storage_bytes(self, tensors: list[torch.Tensor]) -> int:
         seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
@@ -317,7 +318,7 @@ class StepRecorder(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except _DATA_DEPENDENT as err:
-            module = self._location().split(":", 1)[1]
+            module = self._stack[-1] if self._stack else (self._bwd_open[-1] if self._bwd_open else "")
             raise ProfilingError(
                 f"Module {module or '<root>'!r} calls {func}, whose output depends on tensor values, which a "
                 "fake-tensor dry run does not have (.item(), nonzero, boolean-mask indexing, ...). Move that "

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_sac.devices import DeviceSpec, get_device_spec
@@ -36,6 +37,29 @@ def _optimizer_state(optimizer: torch.optim.Optimizer | None, params: list[nn.Pa
     return [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
 
 
+def _create_optimizer_state(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+) -> None:
+    """Step the optimizer once so that its state exists when the recorded step begins.
+
+    Optimizers create their state from the gradients' shapes at the first step, so zero gradients do: the
+    warm-up skips forward and backward, a third of the dry run's time. Lazy modules only get their parameter
+    shapes from a forward, so for them the warm-up is a whole training step.
+    """
+    if any(isinstance(p, UninitializedParameter) for p in params):
+        training_step(model, inputs, loss_fn, optimizer)
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def profile_model(
     model: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -50,8 +74,9 @@ def profile_model(
 
     The step (forward, loss, backward, optimizer step) runs on a fake copy of the model under
     ``FakeTensorMode``: no memory is spent on parameters or activations, and the user's model, its parameters
-    and their ``.grad`` are not touched. With an optimizer, a first unrecorded step creates its state and the
-    second is recorded; without one, the only step is recorded. The recorded step gathers, in one pass,
+    and their ``.grad`` are not touched. With an optimizer, a first unrecorded optimizer step on zero gradients
+    creates its state (every parameter that requires grad gets state, used in the step or not) and the
+    training step after it is recorded, so the optimizer steps twice. The recorded step gathers, in one pass,
     memory by category for every module, runtime per module and per op, SAC op statistics for every non-leaf
     module, and the module execution orders.
 
@@ -92,12 +117,7 @@ def profile_model(
     with mode, emulation:
         optimizer = optimizer_factory(params) if optimizer_factory is not None else None
         if optimizer is not None:
-            warmup = StepRecorder(fmodel, spec, estimator, record=False)
-            try:
-                with warmup:
-                    training_step(fmodel, finputs, loss_fn, optimizer, warmup.set_phase)
-            finally:
-                warmup.close()
+            _create_optimizer_state(fmodel, finputs, loss_fn, optimizer, params)
         recorder = StepRecorder(
             fmodel, spec, estimator, record=True, workspace=None if spec.is_cuda else cpu_workspace_bytes
         )

@@ -212,3 +212,14 @@ def test_frozen_parameters_have_no_gradient_or_state():
     assert p.modules["0"].gradient_bytes == 0 and p.modules["0"].optimizer_state_bytes == 0
     assert p.modules["2"].gradient_bytes == 4 * (64 * 8 + 8)
     assert p.modules[""].optimizer_state_bytes == 2 * 4 * (64 * 8 + 8) + 8
+
+
+def test_render_profile_shows_the_peak_and_modules_to_the_requested_depth():
+    from lightning_sac import render_profile
+
+    case = gpt_case()
+    p = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, device="cpu")
+    text = render_profile(p, max_depth=1)
+    assert f"peak {p.peak_bytes / 2**20:.2f} MiB at {p.peak_location}" in text
+    assert "  blocks.1 " in text and "blocks.1.attn" not in text
+    assert "blocks.1.attn" in render_profile(p, max_depth=2)

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parameter import UninitializedParameter
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.parameter import UninitializedParameter
 
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.profiling.data import ModelProfile
@@ -118,9 +118,7 @@ def profile_model(
         optimizer = optimizer_factory(params) if optimizer_factory is not None else None
         if optimizer is not None:
             _create_optimizer_state(fmodel, finputs, loss_fn, optimizer, params)
-        recorder = StepRecorder(
-            fmodel, spec, estimator, record=True, workspace=None if spec.is_cuda else cpu_workspace_bytes
-        )
+        recorder = StepRecorder(fmodel, spec, estimator, workspace=None if spec.is_cuda else cpu_workspace_bytes)
         try:
             recorder.track_existing(params, "parameter")
             recorder.track_existing(list(fmodel.buffers()), "buffer")

@@ -85,7 +85,6 @@ class StepRecorder(TorchDispatchMode):
         model: The fake copy being profiled; hooks are added to it and removed by :meth:`close`.
         spec: Target device, for allocator rounding.
         estimator: Per-op runtime estimator.
-        record: ``False`` only tracks which module runs (for error messages), as in the warm-up step.
         workspace: Bytes an op's kernel allocates and frees within the call on the target, if known.
     """
 
@@ -95,12 +94,10 @@ class StepRecorder(TorchDispatchMode):
         spec: DeviceSpec,
         estimator: RuntimeEstimator,
         *,
-        record: bool,
         workspace: Callable[[Any, tuple[Any, ...], dict[str, Any]], int] | None = None,
     ) -> None:
         super().__init__()
         self.workspace = workspace
-        self.record = record
         self.spec = spec
         self.estimator = estimator
         self.phase = "setup"
@@ -149,14 +146,12 @@ class StepRecorder(TorchDispatchMode):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def __enter__(self) -> StepRecorder:
-        if self.record:
-            self._pack_ctx.__enter__()
+        self._pack_ctx.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        if self.record:
-            self._pack_ctx.__exit__(*exc)
+        self._pack_ctx.__exit__(*exc)
 
     def close(self) -> None:
         """Remove every hook from the model and stop counting memory."""
@@ -204,8 +199,6 @@ class StepRecorder(TorchDispatchMode):
             st = self._states[fqn]
             st.profile.calls += 1
             self._stack.append(fqn)
-            if not self.record:
-                return
             self.orders["fwd_pre"].append(fqn)
             st.fwd_start_ms = self.cum_ms
             if st.profile.calls > 1:
@@ -228,8 +221,6 @@ class StepRecorder(TorchDispatchMode):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             st = self._states[fqn]
             self._stack.pop()
-            if not self.record:
-                return
             self.orders["fwd_post"].append(fqn)
             st.profile.forward_ms += self.cum_ms - st.fwd_start_ms
             if st.profile.calls > 1 or st.fwd_watch is None:
@@ -327,8 +318,6 @@ class StepRecorder(TorchDispatchMode):
                 op=str(func),
                 module=module,
             ) from err
-        if not self.record:
-            return out
         ms = self.estimator(func, args, kwargs, out)
         self.cum_ms += ms
         for t in flat_tensors(args) + flat_tensors(list(kwargs.values())):

@@ -219,7 +219,7 @@ def test_render_profile_shows_the_peak_and_modules_to_the_requested_depth():
 
     case = gpt_case()
     p = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, device="cpu")
-    text = render_profile(p, max_depth=1)
+    text = render_profile(p, max_depth=2)  # root 0, blocks 1 (the ModuleList), blocks.1 2
     assert f"peak {p.peak_bytes / 2**20:.2f} MiB at {p.peak_location}" in text
     assert "  blocks.1 " in text and "blocks.1.attn" not in text
-    assert "blocks.1.attn" in render_profile(p, max_depth=2)
+    assert "blocks.1.attn" in render_profile(p, max_depth=3)

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import GPT_CONFIG, adamw, gpt_case, mlp_case
+from conftest import GPT_CONFIG, adamw, conv_case, gpt_case, mlp_case
 from torch import nn
 
 from lightning_sac import DeviceSpec, ModelProfile, get_device_spec, profile_model
@@ -223,3 +223,22 @@ def test_render_profile_shows_the_peak_and_modules_to_the_requested_depth():
     assert f"peak {p.peak_bytes / 2**20:.2f} MiB at {p.peak_location}" in text
     assert "  blocks.1 " in text and "blocks.1.attn" not in text
     assert "blocks.1.attn" in render_profile(p, max_depth=3)
+
+
+def test_mlp_and_conv_bytes_are_analytic():
+    mlp = mlp_case()
+    p = profile_model(mlp.model, mlp.inputs, optimizer_factory=adamw, device="cpu")
+    numel = 2 * (256 * 1024 + 1024 + 1024 * 256 + 256)  # two MLPs, fc and out with biases
+    assert p.modules[""].parameter_bytes == p.modules[""].gradient_bytes == 4 * numel
+    assert p.modules[""].optimizer_state_bytes == 2 * 4 * numel + 4 * 8  # 8 tensors with a step each
+    assert p.modules["0.fc"].input_bytes == 64 * 256 * 4 and p.modules["0.fc"].output_bytes == 64 * 1024 * 4
+
+    conv = conv_case()
+    p = profile_model(conv.model, conv.inputs, loss_fn=conv.loss_fn, optimizer_factory=adamw, device="cpu")
+    params = [3 * 16 * 9, 16, 16, 16, 16 * 32 * 9, 32, 32, 32, 32 * 10, 10]  # conv, bn, conv, bn, head
+    assert p.modules[""].parameter_bytes == 4 * sum(params)
+    # BatchNorm buffers: running mean and variance (fp32) and num_batches_tracked (one int64).
+    assert p.modules[""].buffer_bytes == 4 * (16 + 16 + 32 + 32) + 2 * 8
+    assert p.modules[""].optimizer_state_bytes == 2 * 4 * sum(params) + 4 * len(params)
+    assert p.peak_breakdown["buffer"] == p.modules[""].buffer_bytes
+    assert p.modules["features.0"].output_bytes == 16 * 16 * 32 * 32 * 4

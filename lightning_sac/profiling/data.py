@@ -20,6 +20,7 @@ __all__ = [
     "ModelProfile",
     "ModuleOpStats",
     "ModuleProfile",
+    "TimelineEvent",
     "empty_snapshot",
 ]
 
@@ -145,6 +146,25 @@ class ModuleProfile:
 
 
 @dataclass(kw_only=True)
+class TimelineEvent:
+    """A moment of the step at which the profile holds a memory snapshot.
+
+    Attributes:
+        kind: ``"phase"`` (the step entered a phase), ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_pre"`` or
+            ``"bwd_post"`` (a module's forward or backward began or ended).
+        name: The module's fqn, or the phase's name (``forward``, ``backward``, ``optimizer``, ``done``).
+        at: Live bytes by category at this moment.
+        peak_after: The snapshot at the highest total from this moment until the next event (empty for the
+            last event).
+    """
+
+    kind: str
+    name: str
+    at: MemorySnapshot
+    peak_after: MemorySnapshot
+
+
+@dataclass(kw_only=True)
 class ModelProfile:
     """The profile of one training step of a model on a target device.
 
@@ -165,6 +185,7 @@ class ModelProfile:
         backward_ms: Estimated time of the backward, ms.
         optimizer_ms: Estimated time of the optimizer step, ms.
         input_signature: dtype and shape of each tensor input, e.g. ``"torch.int64[4, 128]"``.
+        timeline: Every module boundary and phase change of the recorded step, in order, with memory.
     """
 
     device: DeviceSpec
@@ -181,6 +202,7 @@ class ModelProfile:
     backward_ms: float = 0.0
     optimizer_ms: float = 0.0
     input_signature: list[str] = field(default_factory=list)
+    timeline: list[TimelineEvent] = field(default_factory=list)
 
     @property
     def step_ms(self) -> float:
@@ -192,6 +214,7 @@ class ModelProfile:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["device"] = self.device.to_dict()
         d["modules"] = {k: dataclasses.asdict(m) for k, m in self.modules.items()}
+        d["timeline"] = [dataclasses.asdict(e) for e in self.timeline]
         return d
 
     @classmethod
@@ -200,6 +223,7 @@ class ModelProfile:
         d = dict(d)
         d["device"] = DeviceSpec.from_dict(d["device"])
         d["modules"] = {k: ModuleProfile.from_dict(m) for k, m in d["modules"].items()}
+        d["timeline"] = [TimelineEvent(**e) for e in d["timeline"]]
         return cls(**d)
 
     def to_json(self, indent: int | None = None) -> str:

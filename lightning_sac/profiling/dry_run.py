@@ -156,4 +156,5 @@ def profile_model(
         backward_ms=recorder.phase_ms["backward"],
         optimizer_ms=recorder.phase_ms["optimizer"],
         input_signature=[f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)],
+        timeline=recorder.timeline,
     )

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
-from lightning_sac.profiling.data import MemorySnapshot, ModuleOpStats, ModuleProfile
+from lightning_sac.profiling.data import MemorySnapshot, ModuleOpStats, ModuleProfile, TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
 from lightning_sac.profiling.ops import (
     flat_tensors,
@@ -60,7 +60,8 @@ class _Op:
 @dataclass
 class _GradEvents:
     produced_by: list[str] = field(default_factory=list)  # modules that returned the tensor
-    consumed_by: list[Callable[[], None]] = field(default_factory=list)  # countdowns of modules it was input to
+    # (fqn, countdown) of the modules it was an input to
+    consumed_by: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -108,6 +109,8 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[_Op] = []
         self.orders: dict[str, list[str]] = {k: [] for k in ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")}
         self._stack: list[str] = []
+        self.timeline: list[TimelineEvent] = []
+        self._interval: PeakWatch | None = None
         self._bwd_open: list[str] = []
         self._producer: dict[int, int] = {}
         self._serial: dict[int, int] = {}
@@ -133,6 +136,18 @@ class StepRecorder(TorchDispatchMode):
             for fqn in reversed(list(self._bwd_open)):
                 self._end_backward(fqn)
         self.phase = phase
+        self._event("phase", phase)
+
+    def _event(self, kind: str, name: str) -> None:
+        # The timeline: a snapshot at every module boundary and phase change, and the peak until the next
+        # one, so that the solver can tell which activations are alive at every moment of the step.
+        if kind in self.orders:
+            self.orders[kind].append(name)
+        if self._interval is not None:
+            self.timeline[-1].peak_after = self._interval.peak_snapshot
+            self.memory.close_watch(self._interval)
+        self._interval = None if kind == "phase" and name == "done" else self.memory.open_watch()
+        self.timeline.append(TimelineEvent(kind=kind, name=name, at=self.memory.snapshot(), peak_after={}))
 
     def track_existing(self, tensors: Sequence[torch.Tensor], category: str) -> None:
         """Count tensors that exist before the step (parameters, optimizer state, inputs) under ``category``."""
@@ -199,7 +214,7 @@ class StepRecorder(TorchDispatchMode):
             st = self._states[fqn]
             st.profile.calls += 1
             self._stack.append(fqn)
-            self.orders["fwd_pre"].append(fqn)
+            self._event("fwd_pre", fqn)
             st.fwd_start_ms = self.cum_ms
             if st.profile.calls > 1:
                 return
@@ -213,7 +228,7 @@ class StepRecorder(TorchDispatchMode):
             # Backward of this module is over once autograd has the gradients of its inputs, or, when no
             # input needs one (token ids), of its parameters.
             targets = [t for t in inputs if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
-            self._on_all_grads(targets, lambda: self._end_backward(fqn))
+            self._on_all_grads(fqn, targets, lambda: self._end_backward(fqn))
 
         return hook
 
@@ -221,7 +236,7 @@ class StepRecorder(TorchDispatchMode):
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             st = self._states[fqn]
             self._stack.pop()
-            self.orders["fwd_post"].append(fqn)
+            self._event("fwd_post", fqn)
             st.profile.forward_ms += self.cum_ms - st.fwd_start_ms
             if st.profile.calls > 1 or st.fwd_watch is None:
                 return
@@ -249,13 +264,18 @@ class StepRecorder(TorchDispatchMode):
 
     def _on_grad_ready(self, events: _GradEvents, _grad: torch.Tensor) -> None:
         # Backward runs forward in reverse: the module that finished its forward last begins first, and the
-        # module that took this tensor as input last ends first, after every module that produced it began.
+        # module that took this tensor as input last ends first. A module that both returned and took this
+        # tensor (an identity) begins before it ends; every other producer begins once the consumers ended.
+        consumers = [fqn for fqn, _ in events.consumed_by]
+        for fqn in reversed(events.produced_by):
+            if fqn in consumers:
+                self._begin_backward(fqn)
+        for _, tick in reversed(events.consumed_by):
+            tick()
         for fqn in reversed(events.produced_by):
             self._begin_backward(fqn)
-        for tick in reversed(events.consumed_by):
-            tick()
 
-    def _on_all_grads(self, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    def _on_all_grads(self, fqn: str, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
         # torch.autograd.graph.register_multi_grad_hook would do, but it keeps every gradient alive until the
         # last one arrives, which shifts the very memory this recorder measures. A countdown keeps none.
         unique = list({id(t): t for t in tensors}.values())
@@ -267,7 +287,7 @@ class StepRecorder(TorchDispatchMode):
                 fn()
 
         for t in unique:
-            self._grad_events(t).consumed_by.append(tick)
+            self._grad_events(t).consumed_by.append((fqn, tick))
 
     def _begin_backward(self, fqn: str) -> None:
         st = self._states[fqn]
@@ -277,7 +297,7 @@ class StepRecorder(TorchDispatchMode):
         # begun once any of its descendants' has, so ancestors begin first.
         if fqn:
             self._begin_backward(fqn.rpartition(".")[0])
-        self.orders["bwd_pre"].append(fqn)
+        self._event("bwd_pre", fqn)
         st.bwd_start_ms = self.cum_ms
         st.snapshots["pre_backward"] = self.memory.snapshot()
         st.bwd_watch = self.memory.open_watch()
@@ -292,7 +312,7 @@ class StepRecorder(TorchDispatchMode):
         for child in [c for c in self._bwd_open if c != fqn and c.startswith(prefix)]:
             self._end_backward(child)
         st.bwd_done = True
-        self.orders["bwd_post"].append(fqn)
+        self._event("bwd_post", fqn)
         st.profile.backward_ms = self.cum_ms - st.bwd_start_ms
         st.snapshots["post_backward"] = self.memory.snapshot()
         assert st.bwd_watch is not None

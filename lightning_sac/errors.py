@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LightningSACError", "ProfilingError"]
+__all__ = ["BudgetError", "LightningSACError", "ProfilingError"]
 
 
 class LightningSACError(RuntimeError):
@@ -22,3 +22,17 @@ class ProfilingError(LightningSACError):
         super().__init__(message)
         self.op = op
         self.module = module
+
+
+class BudgetError(LightningSACError):
+    """The memory budget is below the lowest peak any checkpointing plan reaches.
+
+    Attributes:
+        minimum_bytes: The minimum achievable peak on one device, bytes.
+        unconstrained_bytes: The peak without checkpointing, bytes.
+    """
+
+    def __init__(self, message: str, *, minimum_bytes: int, unconstrained_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+        self.unconstrained_bytes = unconstrained_bytes

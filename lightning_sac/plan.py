@@ -1,0 +1,122 @@
+"""The checkpointing plan: which modules to checkpoint, which of their ops to save, and what it predicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_sac.profiling.data import ModelProfile
+
+__all__ = ["ModuleDecision", "Plan", "profile_fingerprint"]
+
+_GIB = 2**30
+_MIB = 2**20
+
+
+@dataclass(kw_only=True)
+class ModuleDecision:
+    """How one module is checkpointed.
+
+    Attributes:
+        discard_ratio: Fraction of the module's op memory the solver chose to discard, in ``[0, 1]``.
+        op_policy: One decision per op of the module's ``ModuleOpStats``: 1 = save, 0 = recompute.
+        recompute_ms: Runtime of the recomputed ops, ms (what the policy costs in backward).
+        freed_bytes: Activation bytes the policy frees between the module's forward and its backward.
+    """
+
+    discard_ratio: float
+    op_policy: list[int]
+    recompute_ms: float
+    freed_bytes: int
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A checkpointing plan for one model, batch shape, target and budget.
+
+    Attributes:
+        decisions: Per checkpointed module fqn, its decision; empty when nothing needs checkpointing.
+        budget_bytes: The memory budget per device, bytes.
+        world_size: Number of devices the training step runs on.
+        sharding: ``"replicated"`` (DDP: whole parameters, gradients and optimizer state on each device) or
+            ``"sharded"`` (FSDP: those divided by ``world_size``).
+        device: Name of the target device.
+        predicted_peak_bytes: Peak of the step on one device with the plan, bytes.
+        unconstrained_peak_bytes: Peak without any checkpointing, bytes.
+        predicted_recompute_ms: Total recompute the plan adds to each step, ms.
+        predicted_step_ms: Estimated step time with the plan, ms.
+        solver_status: HiGHS's model status (``"Optimal"``, or ``"Not needed"`` when the budget is slack).
+        solver_gap: Relative MIP gap of the solution.
+        solver_seconds: Wall time of the solve, including trade-off fits and op policies.
+        fingerprint: Hash of the model structure and input shapes the plan was made for.
+    """
+
+    decisions: dict[str, ModuleDecision] = field(default_factory=dict)
+    budget_bytes: int
+    world_size: int = 1
+    sharding: str = "replicated"
+    device: str = ""
+    predicted_peak_bytes: int = 0
+    unconstrained_peak_bytes: int = 0
+    predicted_recompute_ms: float = 0.0
+    predicted_step_ms: float = 0.0
+    solver_status: str = ""
+    solver_gap: float = 0.0
+    solver_seconds: float = 0.0
+    fingerprint: str = ""
+
+    @property
+    def budget_gb(self) -> float:
+        """The budget in GiB."""
+        return self.budget_bytes / _GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Rebuild from :meth:`to_dict` output."""
+        d = dict(d)
+        d["decisions"] = {k: ModuleDecision(**v) for k, v in d["decisions"].items()}
+        return cls(**d)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Serialize to JSON; :meth:`from_json` gives back an equal plan."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    def table(self) -> str:
+        """A readable table: fqn, discard %, freed MiB and recompute ms per module, then the totals."""
+        width = max([len("module"), *map(len, self.decisions)])
+        lines = [f"{'module':<{width}}  {'discard %':>9}  {'freed MiB':>10}  {'recompute ms':>12}"]
+        lines.append("-" * len(lines[0]))
+        for fqn, d in self.decisions.items():
+            lines.append(
+                f"{fqn:<{width}}  {100 * d.discard_ratio:>9.1f}  {d.freed_bytes / _MIB:>10.2f}  {d.recompute_ms:>12.3f}"
+            )
+        if not self.decisions:
+            lines.append("(no module needs checkpointing)")
+        lines.append("-" * len(lines[0]))
+        lines.append(
+            f"{self.device}, budget {self.budget_gb:.2f} GiB, world size {self.world_size} ({self.sharding}): "
+            f"peak {self.predicted_peak_bytes / _GIB:.3f} GiB "
+            f"(without plan {self.unconstrained_peak_bytes / _GIB:.3f}), "
+            f"recompute {self.predicted_recompute_ms:.3f} ms of a {self.predicted_step_ms:.3f} ms step, "
+            f"solved in {self.solver_seconds:.2f} s ({self.solver_status}, gap {self.solver_gap:.2%})"
+        )
+        return "\n".join(lines)
+
+
+def profile_fingerprint(profile: ModelProfile) -> str:
+    """Hash of the model structure (fqns and module types) and input dtypes and shapes of a profile."""
+    structure = [(fqn, m.module_type) for fqn, m in profile.modules.items()]
+    text = json.dumps([structure, profile.input_signature])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,102 @@
+"""Which ops of one module to save under selective checkpointing: an exact 0/1 knapsack, and the greedy order."""
+
+from __future__ import annotations
+
+import math
+
+import highspy
+
+from lightning_sac.profiling.data import ModuleOpStats
+from lightning_sac.solver.highs import new_highs
+from lightning_sac.tradeoff import effective_memory, module_tradeoff, recompute_units
+
+__all__ = ["greedy_op_policy", "optimal_op_policy"]
+
+SAVE, RECOMPUTE = 1, 0
+
+
+def _check_budget(memory_budget: float) -> None:
+    if not 0.0 <= memory_budget <= 1.0:
+        raise ValueError(
+            f"memory_budget is the fraction of the module's op memory that may stay saved, in [0, 1]; "
+            f"got {memory_budget}."
+        )
+
+
+def _min_budget(stats: ModuleOpStats) -> float:
+    memory = effective_memory(stats)
+    total = sum(memory)
+    _, stored = recompute_units(stats)
+    return 0.0 if total == 0 else sum(u.memory for u in stored) / total
+
+
+def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
+    """Save the ops that maximize saved runtime while their memory stays within ``memory_budget``.
+
+    A 0/1 knapsack solved exactly with HiGHS. View-like ops are recomputed; each in-place op takes its parent's
+    decision and is saved when it is its own parent; random ops are all saved or all recomputed (all saved
+    when ``stats.force_store_random``). Memory is :func:`~lightning_sac.tradeoff.effective_memory`.
+
+    Args:
+        stats: The module's op statistics.
+        memory_budget: Fraction of the module's op memory that may stay saved, in ``[0, 1]``.
+
+    Returns:
+        One decision per op: 1 = save, 0 = recompute.
+
+    Raises:
+        ValueError: ``memory_budget`` is outside ``[0, 1]`` or below what must be saved regardless.
+    """
+    _check_budget(memory_budget)
+    n = len(stats.func_names)
+    memory = effective_memory(stats)
+    capacity = math.floor(memory_budget * sum(memory))
+    h = new_highs(time_limit_s=10.0, mip_gap=0.0)
+    x = [h.addBinary() for _ in range(n)]
+    for i in stats.view_like_ops:
+        h.addConstr(x[i] == RECOMPUTE)
+    for op, head in stats.inplace_ops:
+        h.addConstr(x[op] == (SAVE if op == head else x[head]))
+    for a, b in zip(stats.rand_ops, stats.rand_ops[1:], strict=False):
+        h.addConstr(x[a] == x[b])
+    if stats.force_store_random:
+        for i in stats.rand_ops:
+            h.addConstr(x[i] == SAVE)
+    h.addConstr(h.qsum(memory[i] * x[i] for i in range(n)) <= capacity)
+    # Ties (e.g. free ops) go to saving: a tiny reward per saved op keeps the answer unique and stable.
+    h.maximize(h.qsum((stats.runtimes[i] + 1e-9) * x[i] for i in range(n)))
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        raise ValueError(
+            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats):.4f} of this module's op memory "
+            "that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
+        )
+    if status != highspy.HighsModelStatus.kOptimal:
+        raise RuntimeError(f"HiGHS could not solve the op knapsack: {h.modelStatusToString(status)}.")
+    return [round(v) for v in h.vals(x)]
+
+
+def greedy_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
+    """Recompute units in the greedy MSPS order until at most ``memory_budget`` of the op memory stays saved.
+
+    Same constraints and return value as :func:`optimal_op_policy`; no solver, so never better than it.
+    """
+    _check_budget(memory_budget)
+    tradeoff = module_tradeoff(stats)
+    policy = [SAVE] * len(stats.func_names)
+    for i in stats.view_like_ops:
+        policy[i] = RECOMPUTE
+    saved = tradeoff.total_memory
+    limit = memory_budget * tradeoff.total_memory
+    for unit in tradeoff.order:
+        if saved <= limit:
+            break
+        for i in unit.ops:
+            policy[i] = RECOMPUTE
+        saved -= unit.memory
+    if saved > limit:
+        raise ValueError(
+            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats):.4f} of this module's op memory "
+            "that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
+        )
+    return policy

@@ -1,0 +1,89 @@
+"""The memory model of a training step under a checkpointing plan, shared by the MILP and by plain evaluation.
+
+The profile's timeline holds the live bytes at every module boundary and the peak until the next one. A
+checkpointed module ``j`` frees ``d_j`` bytes of activations from the end of its forward until its backward
+begins, when recompute brings them back; during that recompute its forward's temporaries come back too. So
+every timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations
+are absent throughout it free, is within the budget. Parameters, gradients and optimizer state are divided by
+the world size when sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
+
+__all__ = ["MemoryConstraint", "device_bytes", "memory_constraints", "peak_with_plan"]
+
+_SHARDED = ("parameter", "gradient", "optimizer_state")
+
+
+def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str) -> int:
+    """Bytes on one device: sharded training keeps 1/world_size of parameters, gradients and optimizer state."""
+    total = sum(snapshot.values())
+    if sharding == "sharded" and world_size > 1:
+        shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
+        total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryConstraint:
+    """One moment of the step: ``base - sum(freed[j] for j in absent) + transient[recompute] <= budget``.
+
+    Attributes:
+        base: Bytes on one device without any checkpointing.
+        absent: Candidates whose checkpointed activations are gone throughout this interval.
+        recompute: The candidate whose recompute runs at this moment (its forward temporaries are back), if any.
+    """
+
+    base: int
+    absent: frozenset[str]
+    recompute: str | None = None
+
+
+def memory_constraints(
+    profile: ModelProfile,
+    windows: Mapping[str, tuple[int, int]],
+    *,
+    world_size: int = 1,
+    sharding: str = "replicated",
+) -> list[MemoryConstraint]:
+    """The constraints of a step, merged so that each set of absent candidates appears once with its worst base.
+
+    Args:
+        profile: The profile with its timeline.
+        windows: Per candidate fqn, ``(timeline index of its forward's end, timeline index of its backward's
+            start)``: its activations can be absent in the intervals between the two.
+        world_size: Devices the step runs on.
+        sharding: ``"replicated"`` or ``"sharded"``.
+    """
+    worst: dict[tuple[frozenset[str], str | None], int] = {}
+
+    def add(base: int, absent: frozenset[str], recompute: str | None) -> None:
+        key = (absent, recompute)
+        worst[key] = max(worst.get(key, base), base)
+
+    timeline = profile.timeline
+    for k, event in enumerate(timeline):
+        snapshot = event.peak_after or event.at
+        absent = frozenset(j for j, (end_fwd, begin_bwd) in windows.items() if end_fwd <= k < begin_bwd)
+        add(device_bytes(snapshot, world_size, sharding), absent, None)
+    for j, (_, begin_bwd) in windows.items():
+        at = timeline[begin_bwd].at
+        absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
+        add(device_bytes(at, world_size, sharding), absent, j)
+    return [MemoryConstraint(base, absent, recompute) for (absent, recompute), base in worst.items()]
+
+
+def peak_with_plan(constraints: list[MemoryConstraint], freed: Mapping[str, int], transient: Mapping[str, int]) -> int:
+    """The step's peak on one device when the modules in ``freed`` are checkpointed, each freeing its bytes."""
+    peak = 0
+    for c in constraints:
+        value = c.base - sum(freed[j] for j in c.absent if j in freed)
+        if c.recompute is not None and c.recompute in freed:
+            value += transient.get(c.recompute, 0)
+        peak = max(peak, value)
+    return peak

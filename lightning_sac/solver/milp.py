@@ -1,0 +1,268 @@
+"""``solve_plan``: which modules to checkpoint, and how much of each to discard, at the least recompute."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import highspy
+
+from lightning_sac.errors import BudgetError
+from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
+from lightning_sac.profiling.data import ModelProfile, ModuleProfile
+from lightning_sac.solver.highs import new_highs
+from lightning_sac.solver.knapsack import optimal_op_policy
+from lightning_sac.solver.memory_model import MemoryConstraint, memory_constraints, peak_with_plan
+from lightning_sac.tradeoff import ModuleTradeoff, effective_memory, module_tradeoff
+
+__all__ = ["Candidate", "find_candidates", "solve_plan"]
+
+_GIB = 2**30
+_MIB = 2**20
+# Rows are in MiB; HiGHS's feasibility tolerance (1e-7) is then well under a byte. A KiB of margin keeps
+# the plan's peak within the budget after rounding.
+_MARGIN_MIB = 1 / 1024
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module the solver may checkpoint.
+
+    Attributes:
+        fqn: The module.
+        window: Timeline indices of its forward's end and its backward's start.
+        retained: Activation bytes its forward leaves alive without checkpointing, its output excluded.
+        transient: Bytes its forward's temporaries add on top when it is recomputed.
+        tradeoff: Its trade-off curve and fit.
+    """
+
+    fqn: str
+    window: tuple[int, int]
+    retained: int
+    transient: int
+    tradeoff: ModuleTradeoff
+
+    @property
+    def min_discard(self) -> float:
+        """Smallest discard ratio that frees anything: below it, SAC would keep more than autograd did."""
+        acm = self.tradeoff.total_memory
+        return max(0.0, (acm - self.retained) / acm) if acm else 1.0
+
+    def freed(self, discard: float) -> float:
+        """Bytes freed at a discard ratio: what autograd kept minus what the policy saves."""
+        return self.retained - (1.0 - discard) * self.tradeoff.total_memory
+
+
+def _matches(m: ModuleProfile, candidates: Sequence[Any] | None) -> bool:
+    if candidates is None:
+        return True
+    for c in candidates:
+        if isinstance(c, str) and fnmatch.fnmatchcase(m.fqn, c):
+            return True
+        if isinstance(c, type) and c.__name__ == m.module_type:
+            return True
+    return False
+
+
+def find_candidates(
+    profile: ModelProfile, candidates: Sequence[Any] | None = None, n_segments: int = 2
+) -> list[Candidate]:
+    """Modules that can be checkpointed: non-leaf, run once, with a backward, matching ``candidates``.
+
+    Args:
+        profile: The profile.
+        candidates: Module classes or fqn glob patterns (``"blocks.*"``); ``None`` allows every module.
+        n_segments: Lines of each trade-off fit.
+    """
+    if candidates is not None:
+        bad = [c for c in candidates if not isinstance(c, (str, type))]
+        if bad:
+            raise TypeError(f"candidates must be module classes or fqn glob patterns, got {bad!r}.")
+    fwd_end: dict[str, int] = {}
+    bwd_begin: dict[str, int] = {}
+    for k, e in enumerate(profile.timeline):
+        if e.kind == "fwd_post":
+            fwd_end.setdefault(e.name, k)
+        elif e.kind == "bwd_pre":
+            bwd_begin.setdefault(e.name, k)
+    found = []
+    for fqn, m in profile.modules.items():
+        if m.is_leaf or m.op_stats is None or m.calls != 1 or fqn not in bwd_begin or not _matches(m, candidates):
+            continue
+        post, pre = m.memory["post_forward"], m.memory["pre_forward"]
+        retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
+        transient = max(0, sum(m.memory["peak_forward"].values()) - sum(post.values()))
+        tradeoff = module_tradeoff(m.op_stats, n_segments)
+        if tradeoff.total_memory == 0 or retained == 0:
+            continue  # nothing to free
+        found.append(Candidate(fqn, (fwd_end[fqn], bwd_begin[fqn]), retained, transient, tradeoff))
+    return found
+
+
+def _related(a: str, b: str) -> bool:
+    return a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + ".")
+
+
+def _build(
+    h: highspy.Highs, cands: list[Candidate], constraints: list[MemoryConstraint]
+) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows."""
+    y = {c.fqn: h.addBinary() for c in cands}
+    r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
+    rc = []
+    for c in cands:
+        t = c.tradeoff
+        h.addConstr(r[c.fqn] <= t.max_discard * y[c.fqn])
+        h.addConstr(r[c.fqn] >= c.min_discard * y[c.fqn])
+        cost = h.addVariable(lb=0.0)
+        for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
+            h.addConstr(cost >= t.total_runtime * (slope * r[c.fqn] + intercept * y[c.fqn]))
+        rc.append(cost)
+    for i, a in enumerate(cands):
+        for b in cands[i + 1 :]:
+            if _related(a.fqn, b.fqn):
+                h.addConstr(y[a.fqn] + y[b.fqn] <= 1)
+    return y, r, rc
+
+
+def _freed_mib(c: Candidate, y: Any, r: Any) -> Any:
+    # d = retained - (1 - r) * ACM when checkpointed, 0 otherwise; linear in (y, r).
+    acm = c.tradeoff.total_memory
+    return (acm * r - (acm - c.retained) * y) * (1.0 / _MIB)
+
+
+def _constraint_rows(
+    h: highspy.Highs, cands: list[Candidate], constraints: list[MemoryConstraint], y: Any, r: Any, limit_mib: Any
+) -> None:
+    by_fqn = {c.fqn: c for c in cands}
+    for con in constraints:
+        terms = [_freed_mib(by_fqn[j], y[j], r[j]) for j in con.absent if j in by_fqn]
+        extra = by_fqn[con.recompute].transient / _MIB * y[con.recompute] if con.recompute in by_fqn else 0.0
+        if not terms and not isinstance(extra, highspy.highs.highs_linear_expression):
+            continue  # constant rows are checked before solving
+        h.addConstr(con.base / _MIB - h.qsum(terms) + extra <= limit_mib)
+
+
+def _minimum_peak(cands: list[Candidate], constraints: list[MemoryConstraint]) -> float:
+    """The lowest peak any plan reaches, bytes (a MILP minimizing the peak instead of the recompute)."""
+    h = new_highs(time_limit_s=30.0, mip_gap=1e-6)
+    y, r, _ = _build(h, cands, constraints)
+    peak = h.addVariable(lb=0.0)
+    constant = max((c.base for c in constraints if not c.absent and c.recompute is None), default=0)
+    h.addConstr(peak >= constant / _MIB)
+    _constraint_rows(h, cands, constraints, y, r, peak)
+    h.minimize(peak)
+    return h.val(peak) * _MIB
+
+
+def solve_plan(
+    profile: ModelProfile,
+    budget_gb: float,
+    *,
+    world_size: int = 1,
+    sharding: str = "replicated",
+    candidates: Sequence[Any] | None = None,
+    n_segments: int = 2,
+    time_limit_s: float = 30.0,
+    mip_gap: float = 1e-3,
+) -> Plan:
+    """Choose the modules to checkpoint and the share of each one's activations to discard.
+
+    Minimizes the predicted recompute time subject to the step's predicted peak on one device staying within
+    ``budget_gb`` GiB, counting parameters, gradients and optimizer state (divided by ``world_size`` when
+    sharded) and activations, activation gradients and temporaries at every module boundary (see
+    :mod:`lightning_sac.solver.memory_model`). A module is never checkpointed together with an ancestor or
+    descendant. Each chosen module's discard ratio becomes an exact op policy (:func:`optimal_op_policy`).
+
+    Args:
+        profile: Profile of the training step on the target device.
+        budget_gb: Memory budget per device, GiB.
+        world_size: Devices the step runs on.
+        sharding: ``"replicated"`` (DDP) or ``"sharded"`` (FSDP).
+        candidates: Module classes or fqn glob patterns allowed as checkpoint units; default every non-leaf one.
+        n_segments: Lines of each module's trade-off fit.
+        time_limit_s: HiGHS time limit.
+        mip_gap: HiGHS relative gap.
+
+    Raises:
+        BudgetError: The budget is below the minimum achievable peak.
+        ValueError: Invalid ``world_size``, ``sharding`` or ``budget_gb``.
+    """
+    start = time.perf_counter()
+    if sharding not in ("replicated", "sharded"):
+        raise ValueError(f"sharding must be 'replicated' or 'sharded', got {sharding!r}.")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if not budget_gb > 0:
+        raise ValueError(f"budget_gb must be positive, got {budget_gb}.")
+    budget = int(budget_gb * _GIB)
+    cands = find_candidates(profile, candidates, n_segments)
+    windows = {c.fqn: c.window for c in cands}
+    constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
+    unconstrained = peak_with_plan(constraints, {}, {})
+    plan = Plan(
+        budget_bytes=budget,
+        world_size=world_size,
+        sharding=sharding,
+        device=profile.device.name,
+        unconstrained_peak_bytes=unconstrained,
+        predicted_peak_bytes=unconstrained,
+        predicted_step_ms=profile.step_ms,
+        solver_status="Not needed",
+        fingerprint=profile_fingerprint(profile),
+    )
+    if unconstrained <= budget:
+        plan.solver_seconds = time.perf_counter() - start
+        return plan
+
+    h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
+    y, r, rc = _build(h, cands, constraints)
+    constant = max((c.base for c in constraints if not c.absent and c.recompute is None), default=0)
+    status = highspy.HighsModelStatus.kInfeasible
+    if constant <= budget:
+        _constraint_rows(h, cands, constraints, y, r, budget / _MIB - _MARGIN_MIB)
+        h.minimize(h.qsum(rc))
+        status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        minimum = _minimum_peak(cands, constraints)
+        raise BudgetError(
+            f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
+            f"{minimum / _GIB:.3f} GiB (the unconstrained peak is {unconstrained / _GIB:.3f} GiB on "
+            f"{profile.device.name}, world size {world_size}, {sharding}). Raise the budget, use a smaller batch or "
+            "shorter sequences, shard parameters and optimizer state (sharding='sharded'), or allow more "
+            "checkpoint candidates.",
+            minimum_bytes=int(math.ceil(minimum)),
+            unconstrained_bytes=unconstrained,
+        )
+    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+        raise RuntimeError(f"HiGHS could not solve the plan: {h.modelStatusToString(status)}.")
+    if h.getInfo().primal_solution_status == 0:
+        raise RuntimeError(f"HiGHS found no plan within time_limit_s={time_limit_s}; raise the time limit.")
+
+    by_fqn = {c.fqn: c for c in cands}
+    for fqn in [c.fqn for c in cands if h.val(y[c.fqn]) > 0.5]:
+        c = by_fqn[fqn]
+        discard = min(max(h.val(r[fqn]), c.min_discard), c.tradeoff.max_discard)
+        stats = profile.modules[fqn].op_stats
+        assert stats is not None
+        policy = optimal_op_policy(stats, max(0.0, min(1.0, 1.0 - discard)))
+        memory = effective_memory(stats)
+        saved = sum(m for m, keep in zip(memory, policy, strict=True) if keep)
+        plan.decisions[fqn] = ModuleDecision(
+            discard_ratio=discard,
+            op_policy=policy,
+            recompute_ms=sum(t for t, keep in zip(stats.runtimes, policy, strict=True) if not keep),
+            freed_bytes=c.retained - saved,
+        )
+    freed = {f: d.freed_bytes for f, d in plan.decisions.items()}
+    plan.predicted_peak_bytes = peak_with_plan(constraints, freed, {c.fqn: c.transient for c in cands})
+    plan.predicted_recompute_ms = sum(d.recompute_ms for d in plan.decisions.values())
+    plan.predicted_step_ms = profile.step_ms + plan.predicted_recompute_ms
+    plan.solver_status = h.modelStatusToString(status)
+    plan.solver_gap = float(h.getInfo().mip_gap)
+    plan.solver_seconds = time.perf_counter() - start
+    return plan

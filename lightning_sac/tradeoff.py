@@ -1,0 +1,204 @@
+"""Per-module trade-off between activation memory discarded and runtime recomputed.
+
+From a module's :class:`~lightning_sac.profiling.data.ModuleOpStats`, ops are grouped into units that selective
+checkpointing must save or recompute together, ordered greedily by memory freed per ms of recompute (MSPS),
+and the cumulative order gives the trade-off curve: fraction of the module's op memory discarded -> fraction
+of its op runtime recomputed. A piecewise-linear fit of that curve, shifted so that it never lies below it,
+is what the module-level MILP uses, so the solver never underestimates recompute.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pwlf
+
+from lightning_sac.profiling.data import ModuleOpStats
+
+__all__ = ["ModuleTradeoff", "RecomputeUnit", "effective_memory", "module_tradeoff", "recompute_units"]
+
+# Exhaustive search over break points is exact and needs no random numbers; past this many candidate break
+# combinations the search falls back to pwlf's fitfast with a fixed seed.
+_MAX_EXHAUSTIVE_FITS = 2000
+
+_CACHE: dict[str, ModuleTradeoff] = {}
+
+
+@dataclass(frozen=True)
+class RecomputeUnit:
+    """Ops a SAC policy must save or recompute together.
+
+    Attributes:
+        ops: Op indices of the unit, sorted.
+        memory: Bytes its outputs hold (see :func:`effective_memory`).
+        runtime: Its ops' runtime, ms.
+    """
+
+    ops: tuple[int, ...]
+    memory: int
+    runtime: float
+
+    @property
+    def msps(self) -> float:
+        """Memory freed per ms of recompute; a unit that costs no time is the first to recompute."""
+        return math.inf if self.runtime <= 0 else self.memory / self.runtime
+
+
+@dataclass(kw_only=True)
+class ModuleTradeoff:
+    """The greedy trade-off of one module and its piecewise-linear fit.
+
+    Attributes:
+        total_memory: Sum of :func:`effective_memory`, bytes (the "100%" of discard ratios).
+        total_runtime: Sum of op runtimes, ms (the "100%" of recompute fractions).
+        stored: Units that must be saved (in-place on a storage from outside the module, random ops when
+            forced, units holding no memory).
+        order: Units in the order they are recomputed as more memory is discarded.
+        curve: ``(discard fraction, recompute fraction)`` points, from ``(0, 0)`` along ``order``.
+        slopes: Slope of each line of the fit.
+        intercepts: Intercept of each line; the fit is the maximum of the lines, never below ``curve``.
+        breaks: Break points of the fit along the discard axis.
+    """
+
+    total_memory: int
+    total_runtime: float
+    stored: list[RecomputeUnit] = field(default_factory=list)
+    order: list[RecomputeUnit] = field(default_factory=list)
+    curve: list[tuple[float, float]] = field(default_factory=list)
+    slopes: list[float] = field(default_factory=list)
+    intercepts: list[float] = field(default_factory=list)
+    breaks: list[float] = field(default_factory=list)
+
+    @property
+    def max_discard(self) -> float:
+        """Largest fraction of the module's op memory that can be discarded."""
+        return self.curve[-1][0] if self.curve else 0.0
+
+    def fit(self, discard: float) -> float:
+        """The fitted recompute fraction at ``discard`` (0 when nothing is discarded)."""
+        if discard <= 0 or not self.slopes:
+            return 0.0
+        return max(s * discard + b for s, b in zip(self.slopes, self.intercepts, strict=True))
+
+
+def effective_memory(stats: ModuleOpStats) -> list[int]:
+    """Op memory as the trade-off counts it: the module's last op that is neither a view nor in-place is free.
+
+    A checkpoint keeps the module's output anyway, so keeping that op's output costs nothing extra.
+    """
+    memory = list(stats.memory)
+    skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
+    for i in range(len(memory) - 1, -1, -1):
+        if i not in skip:
+            memory[i] = 0
+            break
+    return memory
+
+
+def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[RecomputeUnit]]:
+    """Group ops into units; return ``(candidates, stored)``. View-like ops belong to neither: always recomputed.
+
+    In-place ops join the op that produced the storage they mutate; all random ops form one unit, so that
+    recompute replays the generator exactly; a unit is stored when it holds an in-place op on a storage from
+    outside the module, random ops with ``force_store_random``, or no memory at all.
+    """
+    n = len(stats.func_names)
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for op, head in stats.inplace_ops:
+        parent[find(op)] = find(head)
+    for a, b in itertools.pairwise(stats.rand_ops):
+        parent[find(b)] = find(a)
+    memory = effective_memory(stats)
+    views = set(stats.view_like_ops)
+    own_storage = {op for op, head in stats.inplace_ops if op == head}
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        if i not in views:
+            groups.setdefault(find(i), []).append(i)
+    candidates: list[RecomputeUnit] = []
+    stored: list[RecomputeUnit] = []
+    for ops in groups.values():
+        unit = RecomputeUnit(tuple(ops), sum(memory[i] for i in ops), sum(stats.runtimes[i] for i in ops))
+        forced = bool(own_storage.intersection(ops)) or (
+            stats.force_store_random and bool(set(stats.rand_ops) & set(ops))
+        )
+        (stored if forced or unit.memory == 0 else candidates).append(unit)
+    return candidates, stored
+
+
+def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
+    """Continuous piecewise-linear least-squares fit with breaks at curve points; returns slopes, intercepts, breaks."""
+    n_segments = max(1, min(n_segments, len(x) - 1))
+    model = pwlf.PiecewiseLinFit(x, y)
+    interior = x[1:-1]
+    if math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS:
+        best: tuple[float, list[float]] | None = None
+        for inner in itertools.combinations(interior, n_segments - 1):
+            breaks = [float(x[0]), *map(float, inner), float(x[-1])]
+            ssr = float(model.fit_with_breaks(breaks))
+            if best is None or ssr < best[0] - 1e-15:
+                best = (ssr, breaks)
+        assert best is not None
+        model.fit_with_breaks(best[1])
+    else:
+        # pwlf seeds numpy's global generator; keep the user's stream as it was.
+        state = np.random.get_state()
+        try:
+            model = pwlf.PiecewiseLinFit(x, y, seed=0)
+            model.fitfast(n_segments, pop=4)
+        finally:
+            np.random.set_state(state)
+    return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
+
+
+def _compute_tradeoff(stats: ModuleOpStats, n_segments: int) -> ModuleTradeoff:
+    candidates, stored = recompute_units(stats)
+    total_memory = sum(effective_memory(stats))
+    total_runtime = float(sum(stats.runtimes))
+    order = sorted(candidates, key=lambda u: (-u.msps, u.ops[0]))
+    result = ModuleTradeoff(total_memory=total_memory, total_runtime=total_runtime, stored=stored, order=order)
+    if total_memory == 0 or not order:
+        result.curve = [(0.0, 0.0)]
+        return result
+    mem = np.cumsum([0] + [u.memory for u in order]) / total_memory
+    run = np.cumsum([0.0] + [u.runtime for u in order]) / total_runtime if total_runtime > 0 else np.zeros(len(mem))
+    result.curve = [(float(a), float(b)) for a, b in zip(mem, run, strict=True)]
+    slopes, intercepts, breaks = _fit_lines(mem, run, n_segments)
+    # Shift the fit up so that it is nowhere below the curve: the MILP must not underestimate recompute.
+    fitted = np.max(np.outer(mem, slopes) + np.asarray(intercepts), axis=1)
+    deficit = float(np.max(run - fitted))
+    if deficit > 0:
+        intercepts = [b + deficit for b in intercepts]
+    result.slopes, result.intercepts, result.breaks = slopes, intercepts, breaks
+    return result
+
+
+def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff:
+    """The greedy trade-off curve of a module and its fit with ``n_segments`` lines, reproducibly.
+
+    The result is shared between calls with equal stats: treat it as read-only.
+
+    Args:
+        stats: The module's op statistics.
+        n_segments: Lines of the piecewise-linear fit (fewer when the curve has fewer points).
+    """
+    if n_segments < 1:
+        raise ValueError(f"n_segments must be at least 1, got {n_segments}.")
+    # Identical blocks of a deep model have identical stats: they share one fit.
+    key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
+    key += repr((stats.force_store_random, n_segments))
+    if key not in _CACHE:
+        if len(_CACHE) >= 1024:
+            _CACHE.clear()
+        _CACHE[key] = _compute_tradeoff(stats, n_segments)
+    return _CACHE[key]

@@ -78,8 +78,8 @@ class ModuleTradeoff:
         return self.curve[-1][0] if self.curve else 0.0
 
     def fit(self, discard: float) -> float:
-        """The fitted recompute fraction at ``discard`` (0 when nothing is discarded)."""
-        if discard <= 0 or not self.slopes:
+        """The fitted recompute fraction at ``discard``: the maximum of the fit's lines (0 without a fit)."""
+        if not self.slopes:
             return 0.0
         return max(s * discard + b for s, b in zip(self.slopes, self.intercepts, strict=True))
 
@@ -174,9 +174,12 @@ def _compute_tradeoff(stats: ModuleOpStats, n_segments: int) -> ModuleTradeoff:
     run = np.cumsum([0.0] + [u.runtime for u in order]) / total_runtime if total_runtime > 0 else np.zeros(len(mem))
     result.curve = [(float(a), float(b)) for a, b in zip(mem, run, strict=True)]
     slopes, intercepts, breaks = _fit_lines(mem, run, n_segments)
-    # Shift the fit up so that it is nowhere below the curve: the MILP must not underestimate recompute.
-    fitted = np.max(np.outer(mem, slopes) + np.asarray(intercepts), axis=1)
-    deficit = float(np.max(run - fitted))
+    # Shift the fit up so that it is nowhere below the curve: the MILP must not underestimate recompute. Both
+    # are linear between the curve's points and the fit's kinks, so checking at those points is exact.
+    a, b = np.asarray(slopes), np.asarray(intercepts)
+    kinks = [(b[j] - b[i]) / (a[i] - a[j]) for i in range(len(a)) for j in range(i + 1, len(a)) if a[i] != a[j]]
+    xs = np.concatenate([mem, [k for k in kinks if 0.0 < k < mem[-1]]])
+    deficit = float(np.max(np.interp(xs, mem, run) - np.max(np.outer(xs, a) + b, axis=1)))
     if deficit > 0:
         intercepts = [b + deficit for b in intercepts]
     result.slopes, result.intercepts, result.breaks = slopes, intercepts, breaks

@@ -103,6 +103,10 @@ def find_candidates(
     return found
 
 
+def _clean(coefficient: float) -> float:
+    return 0.0 if abs(coefficient) < 1e-9 else coefficient
+
+
 def _related(a: str, b: str) -> bool:
     return a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + ".")
 
@@ -114,13 +118,17 @@ def _build(
     y = {c.fqn: h.addBinary() for c in cands}
     r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
     rc = []
+    # Costs in units of the largest module's runtime keep coefficients near 1 whatever the target's speed
+    # (an H100 roofline gives microseconds); HiGHS refuses coefficients below 1e-9 rather than dropping them.
+    unit = max((c.tradeoff.total_runtime for c in cands), default=1.0) or 1.0
     for c in cands:
         t = c.tradeoff
-        h.addConstr(r[c.fqn] <= t.max_discard * y[c.fqn])
-        h.addConstr(r[c.fqn] >= c.min_discard * y[c.fqn])
+        h.addConstr(r[c.fqn] <= _clean(t.max_discard) * y[c.fqn])
+        h.addConstr(r[c.fqn] >= _clean(c.min_discard) * y[c.fqn])
         cost = h.addVariable(lb=0.0)
+        scale = t.total_runtime / unit
         for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
-            h.addConstr(cost >= t.total_runtime * (slope * r[c.fqn] + intercept * y[c.fqn]))
+            h.addConstr(cost >= _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept) * y[c.fqn])
         rc.append(cost)
     for i, a in enumerate(cands):
         for b in cands[i + 1 :]:
@@ -132,7 +140,7 @@ def _build(
 def _freed_mib(c: Candidate, y: Any, r: Any) -> Any:
     # d = retained - (1 - r) * ACM when checkpointed, 0 otherwise; linear in (y, r).
     acm = c.tradeoff.total_memory
-    return (acm * r - (acm - c.retained) * y) * (1.0 / _MIB)
+    return _clean(acm / _MIB) * r - _clean((acm - c.retained) / _MIB) * y
 
 
 def _constraint_rows(

@@ -25,12 +25,15 @@ class ModuleDecision:
         op_policy: One decision per op of the module's ``ModuleOpStats``: 1 = save, 0 = recompute.
         recompute_ms: Runtime of the recomputed ops, ms (what the policy costs in backward).
         freed_bytes: Activation bytes the policy frees between the module's forward and its backward.
+        op_names: The op each entry of ``op_policy`` is for (``"aten.mm.default"``...), in order, so that a
+            policy applied at run time can tell when the module runs other ops than the profiled ones.
     """
 
     discard_ratio: float
     op_policy: list[int]
     recompute_ms: float
     freed_bytes: int
+    op_names: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -338,15 +338,24 @@ class StepRecorder(TorchDispatchMode):
                 op=str(func),
                 module=module,
             ) from err
-        ms = self.estimator(func, args, kwargs, out)
-        self.cum_ms += ms
-        for t in flat_tensors(args) + flat_tensors(list(kwargs.values())):
+        inputs = flat_tensors(args) + flat_tensors(list(kwargs.values()))
+        for t in inputs:
             # A storage no op created was alive before the step (e.g. a tensor attribute): count it as such.
             self._track(t.untyped_storage(), "other")
+        outputs = flat_tensors(out)
+        inplace = is_inplace(func)
+        # An op whose outputs all alias its inputs is a view whatever its schema says (_unsafe_view, alias):
+        # it launches no kernel, and saving its output would pin its input's storage.
+        input_storages = {id(t.untyped_storage()) for t in inputs}
+        view_like = is_view_like(func) or (
+            not inplace and bool(outputs) and all(id(t.untyped_storage()) in input_storages for t in outputs)
+        )
+        ms = 0.0 if view_like else self.estimator(func, args, kwargs, out)
+        self.cum_ms += ms
         category = _NEW_STORAGE_CATEGORY.get(self.phase, "other")
         new_bytes = 0
         keys = []
-        for t in flat_tensors(out):
+        for t in outputs:
             st = t.untyped_storage()
             added = not self.memory.is_live(st)
             new_bytes += self._track(st, category)
@@ -357,7 +366,7 @@ class StepRecorder(TorchDispatchMode):
             self.memory.transient(self.workspace(func, args, kwargs))
         if self.phase == "forward" and not is_sac_ignored(func):
             parent = None
-            if is_inplace(func):
+            if inplace:
                 mutated = mutated_tensors(func, args, kwargs)
                 parent = self._producer.get(id(mutated[0].untyped_storage()), -1) if mutated else -1
             self.ops.append(
@@ -365,7 +374,7 @@ class StepRecorder(TorchDispatchMode):
                     name=op_name(func),
                     ms=ms,
                     new_bytes=new_bytes,
-                    view_like=is_view_like(func),
+                    view_like=view_like,
                     rand=is_random(func, args, kwargs),
                     inplace_parent=parent,
                     outputs=tuple(keys),

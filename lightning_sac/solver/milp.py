@@ -265,6 +265,7 @@ def solve_plan(
             op_policy=policy,
             recompute_ms=sum(t for t, keep in zip(stats.runtimes, policy, strict=True) if not keep),
             freed_bytes=c.retained - saved,
+            op_names=list(stats.func_names),
         )
     freed = {f: d.freed_bytes for f, d in plan.decisions.items()}
     plan.predicted_peak_bytes = peak_with_plan(constraints, freed, {c.fqn: c.transient for c in cands})

@@ -1,0 +1,403 @@
+"""Graph-based activation checkpointing: recompute only the missing ancestors of what backward unpacks.
+
+Inside a region every op is recorded as a node of a graph (the op, and its inputs as references to other
+nodes; tensors from outside the region are leaves). A node the policy saves keeps its outputs (detached);
+the others keep only how to recompute them. Tensors autograd saves for backward are packed as references to
+nodes. Unpacking realizes the node, recursively recomputing only its missing ancestors and caching them; use
+counts, taken at pack time along the same recursion, free each cached tensor as soon as its last user has
+consumed it. Unlike module-bounded checkpoints, nothing outside the needed ancestry is ever recomputed, and
+nothing is recomputed twice in one backward.
+
+Policies compose: the regions' policy functions are asked outermost to innermost, starting from
+``PREFER_SAVE``; a ``MUST_*`` answer overrides ``PREFER_*`` ones, two different ``MUST_*`` answers are an
+error, and a policy may answer with a bool (``True`` = ``MUST_SAVE``, ``False`` = ``PREFER_RECOMPUTE``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_sac.plan import ModuleDecision
+from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors, op_name
+
+__all__ = ["GraphCheckpointForward", "PolicyContext", "PolicyFn", "compose_policies", "save_recompute_policy"]
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy knows besides the op: its index among the region's ops (ops SAC ignores not counted)."""
+
+    op_index: int
+    is_recompute: bool = False
+
+
+PolicyFn = Callable[..., "CheckpointPolicy | bool"]
+
+_MUST = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE)
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
+def compose_policies(answers: list[CheckpointPolicy | bool]) -> CheckpointPolicy:
+    """Combine the answers of nested policies, outermost first, as the module docstring says."""
+    result = CheckpointPolicy.PREFER_SAVE
+    for answer in answers:
+        if isinstance(answer, bool):
+            answer = CheckpointPolicy.MUST_SAVE if answer else CheckpointPolicy.PREFER_RECOMPUTE
+        if answer in _MUST:
+            if result in _MUST and result != answer:
+                raise RuntimeError(f"Nested graph_ac policies disagree: {result.name} and {answer.name} for one op.")
+            result = answer
+        elif result not in _MUST:
+            result = answer
+    return result
+
+
+_RngState = tuple[torch.Tensor, dict[int, torch.Tensor]]
+
+
+def _rng_state(args: Any, kwargs: Any) -> _RngState:
+    """The generator states a random op draws from: the CPU's, and each CUDA device's it runs on."""
+    devices = {
+        t.device.index or 0 for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+    }
+    return torch.random.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in sorted(devices)}
+
+
+class _Leaf:
+    """A tensor from outside every region, held as it is, with its version when the op read it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+
+class _Node:
+    """One recorded op call: how to recompute it, or its saved outputs, and how many consumers still need it."""
+
+    __slots__ = (
+        "args",
+        "cache",
+        "func",
+        "kwargs",
+        "mutates",
+        "recomputable",
+        "rng",
+        "saved",
+        "stale",
+        "uses",
+        "versions",
+    )
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, mutates: list[int], rng: _RngState | None) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.mutates = mutates  # positions of flattened args the op writes to
+        self.rng = rng  # generator state before a random op, to draw the same numbers again
+        self.saved: list[torch.Tensor | None] | None = None
+        self.stale = False  # an in-place op in the region wrote to a saved output after it was saved
+        self.versions: list[int] = []  # saved outputs' versions when the region ended
+        self.cache: list[torch.Tensor | None] | None = None
+        self.uses = 0
+        self.recomputable = True
+
+
+@dataclass(frozen=True)
+class _Ref:
+    node: _Node
+    index: int
+
+
+def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(x: Any) -> list[Any]:
+    if isinstance(x, (tuple, list)):
+        return [leaf for v in x for leaf in _leaves(v)]
+    if isinstance(x, dict):
+        return [leaf for v in x.values() for leaf in _leaves(v)]
+    return [x]
+
+
+class _Graph:
+    """Recording (a dispatch mode) and packing (saved-tensor hooks) for the regions of one thread."""
+
+    def __init__(self) -> None:
+        self.policies: list[tuple[PolicyFn, list[int]]] = []  # (policy, [op counter of its region])
+        self.refs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Ref of the op that last wrote it
+        self.mode: _RecordMode | None = None
+        self.hooks: Any = None
+        self.recomputes = 0  # op calls made by recompute, for tests and diagnostics
+        self.recomputing = False  # a backward run inside a region must not record its recompute
+        # Nodes whose saved outputs live on each storage. Version counters cannot tell staleness inside the
+        # region: autograd bumps an in-place op's version only after the dispatch mode has returned.
+        self.saved_on: dict[int, list[_Node]] = {}
+
+    # ------------------------------------------------------------------ recording
+    def record(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if self.recomputing:
+            return func(*args, **kwargs)
+        ignored = is_sac_ignored(func)
+        answers = []
+        if not ignored:
+            for policy, counter in self.policies:
+                answers.append(policy(PolicyContext(counter[0]), func, *args, **kwargs))
+                counter[0] += 1
+        decision = compose_policies(answers) if not ignored else CheckpointPolicy.PREFER_RECOMPUTE
+        rng = _rng_state(args, kwargs) if is_random(func, args, kwargs) else None
+        out = func(*args, **kwargs)
+        written = {id(t) for t in mutated_tensors(func, args, kwargs)}
+        flat_args = _leaves((args, kwargs))
+        mutates = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor) and id(a) in written]
+
+        def ref_of(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            ref = self.refs.get(x)
+            return ref if ref is not None else _Leaf(x)
+
+        for i in mutates:
+            for earlier in self.saved_on.get(id(flat_args[i].untyped_storage()), []):
+                earlier.stale = True
+        node = _Node(func, _map(args, ref_of), _map(kwargs, ref_of), mutates, rng)
+        # An op writing to a tensor from outside the region (BatchNorm's running stats) must not run twice.
+        node.recomputable = not any(isinstance(_leaves((node.args, node.kwargs))[i], _Leaf) for i in mutates)
+        outputs = [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
+        if decision in _SAVE or not node.recomputable:
+            node.saved = [None if o is None else o.detach() for o in outputs]
+            for o in outputs:
+                if o is not None:
+                    self.saved_on.setdefault(id(o.untyped_storage()), []).append(node)
+        for i, o in enumerate(outputs):
+            if o is not None:
+                self.refs[o] = _Ref(node, i)
+        return out
+
+    # ------------------------------------------------------------------ packing
+    def _acquire(self, node: _Node) -> None:
+        node.uses += 1
+        if node.uses == 1 and not self._fresh(node):
+            for arg in _leaves((node.args, node.kwargs)):
+                if isinstance(arg, _Ref):
+                    self._acquire(arg.node)
+
+    @staticmethod
+    def _fresh(node: _Node) -> bool:
+        # A saved output mutated in place after it was saved no longer holds the value the op produced.
+        if node.saved is None or node.stale:
+            return False
+        return all(s is None or s._version == v for s, v in zip(node.saved, node.versions, strict=False))
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        ref = self.refs.get(tensor)
+        if ref is None:
+            return tensor
+        self._acquire(ref.node)
+        return ref
+
+    # ------------------------------------------------------------------ unpacking
+    def _compute(self, node: _Node) -> list[torch.Tensor | None]:
+        if not node.recomputable:
+            raise RuntimeError(
+                f"graph_ac cannot recompute {node.func}: it writes to a tensor from outside the region and its "
+                "saved output was modified in place afterwards. Save the op that modifies it."
+            )
+
+        def value(x: Any) -> Any:
+            if isinstance(x, _Ref):
+                return self._realize(x)
+            if isinstance(x, _Leaf):
+                if x.tensor._version != x.version:
+                    raise RuntimeError(
+                        f"graph_ac cannot recompute {node.func}: its input from outside the region was modified "
+                        "in place after the op read it. Save this op (return MUST_SAVE for it)."
+                    )
+                return x.tensor
+            return x
+
+        args, kwargs = _map(node.args, value), _map(node.kwargs, value)
+        if node.mutates:
+            # Never write into a cached or saved tensor other consumers may still read: write into a copy.
+            flat = _leaves((args, kwargs))
+            copies = {id(flat[i]): flat[i].clone() for i in node.mutates}
+            args, kwargs = _map((args, kwargs), lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t)
+        self.recomputes += 1
+        self.recomputing = True
+        try:
+            with torch.no_grad():
+                if node.rng is not None:
+                    cpu_state, cuda_states = node.rng
+                    with torch.random.fork_rng(devices=list(cuda_states)):
+                        torch.random.set_rng_state(cpu_state)
+                        for device, state in cuda_states.items():
+                            torch.cuda.set_rng_state(state, device)
+                        out = node.func(*args, **kwargs)
+                else:
+                    out = node.func(*args, **kwargs)
+        finally:
+            self.recomputing = False
+        return [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
+
+    def _realize(self, ref: _Ref) -> torch.Tensor:
+        node = ref.node
+        if self._fresh(node):
+            assert node.saved is not None
+            outputs = node.saved
+        else:
+            if node.cache is None:
+                node.cache = self._compute(node)
+            outputs = node.cache
+        result = outputs[ref.index]
+        assert result is not None
+        node.uses -= 1
+        if node.uses <= 0:
+            node.cache = None  # the last consumer has it: free the cached outputs
+            node.saved = None if node.uses == 0 else node.saved
+        return result
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return self._realize(packed) if isinstance(packed, _Ref) else packed
+
+    # ------------------------------------------------------------------ regions
+    def push(self, policy: PolicyFn) -> None:
+        if not self.policies:
+            self.mode = _RecordMode(self)
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.hooks.__enter__()
+            self.mode.__enter__()
+        self.policies.append((policy, [0]))
+
+    def pop(self) -> None:
+        self.policies.pop()
+        if not self.policies:
+            assert self.mode is not None
+            self.mode.__exit__(None, None, None)
+            self.hooks.__exit__(None, None, None)
+            self.mode = None
+            self.refs = WeakIdKeyDictionary()
+            # From here on, version counters tell whether code after the region mutates a saved output.
+            for nodes in self.saved_on.values():
+                for node in nodes:
+                    if node.saved is not None and not node.versions:
+                        node.versions = [-1 if t is None else t._version for t in node.saved]
+            self.saved_on.clear()
+
+
+class _RecordMode(TorchDispatchMode):
+    def __init__(self, graph: _Graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.graph.record(func, args, kwargs or {})
+
+
+_local = threading.local()
+
+
+def _graph() -> _Graph:
+    if not hasattr(_local, "graph"):
+        _local.graph = _Graph()
+    graph: _Graph = _local.graph
+    return graph
+
+
+def _recompute_all(ctx: PolicyContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _must_save_all(ctx: PolicyContext, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE
+
+
+_SHORTCUTS: dict[str, PolicyFn] = {"recompute_all": _recompute_all, "must_save_all": _must_save_all}
+
+
+@contextmanager
+def save_recompute_policy(policy_fn: PolicyFn | str) -> Iterator[None]:
+    """Record the ops run inside as a graph region whose saves and recomputes ``policy_fn`` decides.
+
+    Args:
+        policy_fn: ``policy(ctx: PolicyContext, func, *args, **kwargs) -> CheckpointPolicy | bool``, or
+            ``"recompute_all"`` (``PREFER_RECOMPUTE``) or ``"must_save_all"`` (``MUST_SAVE``).
+    """
+    if isinstance(policy_fn, str):
+        if policy_fn not in _SHORTCUTS:
+            raise ValueError(f"Unknown policy shortcut {policy_fn!r}; use one of {sorted(_SHORTCUTS)} or a callable.")
+        policy_fn = _SHORTCUTS[policy_fn]
+    graph = _graph()
+    graph.push(policy_fn)
+    try:
+        yield
+    finally:
+        graph.pop()
+
+
+def recompute_count() -> int:
+    """Op calls graph recompute has made on this thread (to check that nothing is recomputed twice)."""
+    return _graph().recomputes
+
+
+class GraphCheckpointForward:
+    """A module's forward run as a graph region with a plan's per-op decisions (the ``"graph"`` backend).
+
+    Op ``i`` of the call (ops SAC ignores not counted, as in the profile) is ``MUST_SAVE`` when the plan saves
+    it and ``PREFER_RECOMPUTE`` otherwise. When the call runs another op than the profiled one, the rest of the
+    call is saved and a warning names the module once.
+    """
+
+    def __init__(self, module: torch.nn.Module, fqn: str, decision: ModuleDecision) -> None:
+        self.fqn = fqn
+        self.names = list(decision.op_names)
+        self.save = [bool(x) for x in decision.op_policy]
+        self.inner: Callable[..., Any] = type(module).forward.__get__(module)
+        self.warned = False
+        self.calls = 0
+        self.mismatched_calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's forward inside a graph region with the planned policy."""
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        self.calls += 1
+        mismatch: list[str] = []
+
+        def policy(ctx: PolicyContext, func: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+            i = ctx.op_index
+            expected = self.names[i] if i < len(self.names) else "the end of the profiled ops"
+            if not mismatch and op_name(func) != expected:
+                mismatch.append(f"op {i} is {op_name(func)}, the profile has {expected}")
+            if mismatch or self.save[i]:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        with save_recompute_policy(policy):
+            out = self.inner(*args, **kwargs)
+        if mismatch:
+            self.mismatched_calls += 1
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({mismatch[0]}), so "
+                    "its planned policy was not applied to the rest of that call (every op was saved). Plan with "
+                    "the worst-case batch. (Warned once.)",
+                    stacklevel=2,
+                )
+        return out

@@ -126,19 +126,16 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def _conv_block(c_in: int, c_out: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, stride=stride), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
 class ConvNet(nn.Module):
-    """A small image classifier: two conv-BN-ReLU stages, pooling and a linear head."""
+    """A small image classifier: two conv-BN-ReLU blocks, pooling and a linear head."""
 
     def __init__(self, in_channels: int = 3, width: int = 16, n_classes: int = 10) -> None:
         super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1, stride=2),
-            nn.BatchNorm2d(2 * width),
-            nn.ReLU(),
-        )
+        self.features = nn.Sequential(_conv_block(in_channels, width, 1), _conv_block(width, 2 * width, 2))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(2 * width, n_classes)
 

@@ -85,15 +85,19 @@ class ModuleTradeoff:
 
 
 def effective_memory(stats: ModuleOpStats) -> list[int]:
-    """Op memory as the trade-off counts it: the module's last op that is neither a view nor in-place is free.
+    """Op memory as the trade-off counts it: the module's output op is free when autograd keeps it anyway.
 
-    A checkpoint keeps the module's output anyway, so keeping that op's output costs nothing extra.
+    The output op is the last op that is neither a view nor in-place. The module's output outlives its
+    forward when something downstream saves it for backward (the next layer's matmul or norm). When nothing
+    does (a ReLU that saves only its own output), keeping it in a checkpoint's cache costs its full size, as
+    measured: then it is counted like any other op.
     """
     memory = list(stats.memory)
     skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
     for i in range(len(memory) - 1, -1, -1):
         if i not in skip:
-            memory[i] = 0
+            if i in stats.saved_autograd_ops:
+                memory[i] = 0
             break
     return memory
 

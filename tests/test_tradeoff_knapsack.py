@@ -17,7 +17,7 @@ def toy(force_store_random: bool = False) -> ModuleOpStats:
         memory=[100, 0, 100, 0, 50, 200, 50, 100],
         view_like_ops=[1],
         rand_ops=[4, 6],
-        saved_autograd_ops=[0, 2, 5],
+        saved_autograd_ops=[0, 2, 5, 7],  # 7, the output, is saved downstream
         inplace_ops=[(3, 2)],
         force_store_random=force_store_random,
     )
@@ -35,8 +35,11 @@ OPTIMAL = {
 }
 
 
-def test_effective_memory_zeroes_the_modules_output_op():
+def test_effective_memory_zeroes_the_modules_output_op_when_autograd_keeps_it():
     assert effective_memory(toy()) == [100, 0, 100, 0, 50, 200, 50, 0]
+    unsaved = toy()
+    unsaved.saved_autograd_ops = [0, 2, 5]  # nothing downstream keeps the output: caching it costs memory
+    assert effective_memory(unsaved) == [100, 0, 100, 0, 50, 200, 50, 100]
 
 
 def test_greedy_order_and_curve():

@@ -260,6 +260,8 @@ def solve_plan(
         policy = optimal_op_policy(stats, max(0.0, min(1.0, 1.0 - discard)))
         memory = effective_memory(stats)
         saved = sum(m for m, keep in zip(memory, policy, strict=True) if keep)
+        if c.retained - saved <= 0:
+            continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
         plan.decisions[fqn] = ModuleDecision(
             discard_ratio=discard,
             op_policy=policy,

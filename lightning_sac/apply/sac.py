@@ -77,7 +77,7 @@ class SelectiveCheckpointForward:
             self.warned = True
             warnings.warn(
                 f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({state.mismatch}), "
-                "so its planned policy was not applied to that call: it saved every op after that point and "
+                "so its planned policy did not hold for that call: ops from the first difference on were saved, and it "
                 "freed less memory than planned. This happens when the batch shape or code path differs from "
                 "the example the plan was made for; plan with the worst-case batch. (Warned once.)",
                 stacklevel=3,

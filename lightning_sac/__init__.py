@@ -1,5 +1,6 @@
 """lightning-sac: fit training into a GPU memory budget with the least recomputation."""
 
+from lightning_sac.apply import PlanHandle, apply_plan
 from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
 from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
 from lightning_sac.plan import ModuleDecision, Plan
@@ -15,8 +16,10 @@ __all__ = [
     "ModuleOpStats",
     "ModuleProfile",
     "Plan",
+    "PlanHandle",
     "ProfilingError",
     "UnknownDeviceError",
+    "apply_plan",
     "get_device_spec",
     "greedy_op_policy",
     "known_devices",

@@ -70,6 +70,7 @@ class MilpResult:
         seconds: Wall time of the whole call (model building included).
         solver_seconds: Time the solver itself reported, when it does.
         reported_ms: What the solver's own API returned as objective (torch rounds it to 0.01 ms).
+        gap: Relative gap the solver proved (HiGHS only; ``nan`` for CBC, whose gap PuLP does not report).
     """
 
     status: str
@@ -78,6 +79,7 @@ class MilpResult:
     seconds: float = 0.0
     solver_seconds: float = math.nan
     reported_ms: float = math.nan
+    gap: float = math.nan
 
 
 def _torch_fqn(root_name: str, fqn: str) -> str:
@@ -242,8 +244,6 @@ def run_torch_sac_milp(graph: Graph, budget_gib: float, world_size: int = 1) -> 
     result = read_pulp_solution(prob, graph)
     result.seconds = seconds
     result.reported_ms = float(reported) if peak != -1 else math.nan
-    if peak == -1:
-        result.status = "infeasible" if result.status == "infeasible" else result.status
     return result, prob
 
 
@@ -354,6 +354,7 @@ def highs_sac_milp(
         result.objective_ms = float(sum(x[2 * k :]))
         result.decisions = {i: float(x[k + c]) for c, i in enumerate(cands) if x[c] > 0.5}
         result.reported_ms = float(h.getInfo().objective_function_value)
+        result.gap = float(h.getInfo().mip_gap)
     result.seconds = time.perf_counter() - start
     result.solver_seconds = float(h.getRunTime())
     return result

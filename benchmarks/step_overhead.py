@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from lightning_sac import profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
-from lightning_sac.profiling.step import training_step  # noqa: E402
+from lightning_sac.profiling.step import model_loss, training_step  # noqa: E402
 
 GIB = 2**30
 
@@ -67,7 +67,7 @@ def main() -> None:
     for i in range(args.steps + 2):
         for k, (m, opt) in enumerate(zip(models, opts, strict=True)):  # interleaved: drift hits all alike
             start = time.perf_counter()
-            training_step(m, (idx,), loss_fn, opt)
+            training_step(m, (idx,), model_loss(loss_fn), opt)
             if i >= 2:  # two warm-up steps
                 times[k].append(time.perf_counter() - start)
     plain = statistics.median(times[0])

@@ -17,6 +17,7 @@ from lightning_sac.profiling.step import (
     LossFn,
     OptimizerFactory,
     check_example_inputs,
+    model_loss,
     tensors_of,
     training_step,
 )
@@ -76,10 +77,11 @@ def measure_training_step(
         optimizer_factory: As for :func:`~lightning_sac.profile_model`.
     """
     example_inputs = check_example_inputs(example_inputs)
+    compute_loss = model_loss(loss_fn)
     params = list(model.parameters())
     optimizer = optimizer_factory(params) if optimizer_factory is not None else None
     if optimizer is not None:
-        training_step(model, example_inputs, loss_fn, optimizer)
+        training_step(model, example_inputs, compute_loss, optimizer)
     state = (
         []
         if optimizer is None
@@ -88,7 +90,7 @@ def measure_training_step(
     grads = [p.grad for p in params if p.grad is not None]
     baseline = _unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(example_inputs))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        training_step(model, example_inputs, loss_fn, optimizer)
+        training_step(model, example_inputs, compute_loss, optimizer)
     events = [
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()

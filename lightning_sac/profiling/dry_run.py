@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,14 +17,16 @@ from lightning_sac.profiling.emulation import CudaAttentionEmulation, cpu_worksp
 from lightning_sac.profiling.recorder import StepRecorder
 from lightning_sac.profiling.runtime import make_estimator
 from lightning_sac.profiling.step import (
+    ComputeLoss,
     LossFn,
     OptimizerFactory,
     check_example_inputs,
+    model_loss,
     tensors_of,
     training_step,
 )
 
-__all__ = ["profile_model"]
+__all__ = ["profile_model", "profile_step"]
 
 
 def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
@@ -40,7 +43,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer | None, params: list[nn.Pa
 def _create_optimizer_state(
     model: nn.Module,
     inputs: tuple[Any, ...],
-    loss_fn: LossFn | None,
+    compute_loss: ComputeLoss,
     optimizer: torch.optim.Optimizer,
     params: list[nn.Parameter],
 ) -> None:
@@ -51,7 +54,7 @@ def _create_optimizer_state(
     shapes from a forward, so for them the warm-up is a whole training step.
     """
     if any(isinstance(p, UninitializedParameter) for p in params):
-        training_step(model, inputs, loss_fn, optimizer)
+        training_step(model, inputs, compute_loss, optimizer)
         return
     for p in params:
         if p.requires_grad:
@@ -103,10 +106,53 @@ def profile_model(
         UnknownDeviceError: ``device`` names no known device.
     """
     example_inputs = check_example_inputs(example_inputs)
+    return profile_step(
+        model,
+        example_inputs,
+        model_loss(loss_fn),
+        make_optimizer=None if optimizer_factory is None else (lambda m: optimizer_factory(m.parameters())),
+        device=device,
+        estimate=estimate,
+        share=share,
+    )
+
+
+def profile_step(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    compute_loss: ComputeLoss,
+    *,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None] | None = None,
+    device: str | DeviceSpec = "auto",
+    estimate: str = "roofline",
+    share: tuple[object, ...] = (),
+    autocast_dtype: torch.dtype | None = None,
+) -> ModelProfile:
+    """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
+
+    :func:`profile_model` is this with ``compute_loss = loss_fn(model(*inputs))``; the Lightning callback
+    passes the module's own ``training_step``. Arguments and errors are as for :func:`profile_model`, and:
+
+    Args:
+        model: The model.
+        example_inputs: What ``compute_loss`` takes as inputs (fake copies of its tensors are passed).
+        compute_loss: Runs the forward on the (fake) model and returns the scalar loss.
+        make_optimizer: Builds the optimizer from the (fake) model, or returns ``None``.
+        device: Target device.
+        estimate: ``"roofline"`` or ``"benchmark"``.
+        share: Objects reachable from ``model`` that must not be copied.
+        autocast_dtype: Run the forward under ``torch.autocast`` with this dtype (mixed precision).
+    """
     spec = get_device_spec(device)
     estimator = make_estimator(estimate, spec)
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
     emulation = CudaAttentionEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
+    forward = compute_loss
+    if autocast_dtype is not None:
+
+        def forward(m: nn.Module, x: tuple[Any, ...]) -> torch.Tensor:
+            with torch.autocast(device_type=run_on, dtype=autocast_dtype):
+                return compute_loss(m, x)
 
     # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
     # and counted as memory that existed before the step ("other"), as they would on the device.
@@ -115,9 +161,9 @@ def profile_model(
     finputs = fake_inputs(example_inputs, mode, run_on)
     params = list(fmodel.parameters())
     with mode, emulation:
-        optimizer = optimizer_factory(params) if optimizer_factory is not None else None
+        optimizer = make_optimizer(fmodel) if make_optimizer is not None else None
         if optimizer is not None:
-            _create_optimizer_state(fmodel, finputs, loss_fn, optimizer, params)
+            _create_optimizer_state(fmodel, finputs, forward, optimizer, params)
         recorder = StepRecorder(fmodel, spec, estimator, workspace=None if spec.is_cuda else cpu_workspace_bytes)
         try:
             recorder.track_existing(params, "parameter")
@@ -127,7 +173,7 @@ def profile_model(
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
             with recorder:
-                training_step(fmodel, finputs, loss_fn, optimizer, recorder.set_phase)
+                training_step(fmodel, finputs, forward, optimizer, recorder.set_phase)
         finally:
             recorder.close()
 

@@ -13,16 +13,33 @@ import torch
 from torch import nn
 
 __all__ = [
+    "ComputeLoss",
     "LossFn",
     "OptimizerFactory",
     "check_example_inputs",
     "default_loss",
+    "model_loss",
     "tensors_of",
     "training_step",
 ]
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: Runs the forward of a step and returns its scalar loss: ``compute_loss(model, inputs)``.
+ComputeLoss = Callable[[nn.Module, tuple[Any, ...]], torch.Tensor]
+
+
+def model_loss(loss_fn: LossFn | None = None) -> ComputeLoss:
+    """The forward of a plain training step: ``loss_fn(model(*inputs))`` (default: the output's sum).
+
+    The model's output stays inside this function, so it is dropped before backward, as a Lightning
+    ``training_step`` that returns only the loss drops it: whatever autograd did not save is free in backward.
+    """
+
+    def compute(model: nn.Module, inputs: tuple[Any, ...]) -> torch.Tensor:
+        return (loss_fn or default_loss)(model(*inputs))
+
+    return compute
 
 
 def _leaves(x: Any) -> list[Any]:
@@ -75,26 +92,21 @@ def _check_loss(loss: Any) -> torch.Tensor:
 def training_step(
     model: nn.Module,
     inputs: tuple[Any, ...],
-    loss_fn: LossFn | None,
+    compute_loss: ComputeLoss,
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[str], None] = lambda phase: None,
 ) -> None:
-    """Run forward, loss, backward and (if given) the optimizer step with ``zero_grad(set_to_none=True)``.
-
-    The model's output is dropped before backward, as a Lightning ``training_step`` that returns only the loss
-    drops it: whatever autograd did not save is free during backward.
+    """Run forward and loss, backward and (if given) the optimizer step with ``zero_grad(set_to_none=True)``.
 
     Args:
         model: The module to train.
-        inputs: Positional inputs of ``model``.
-        loss_fn: Maps the output to a scalar loss; ``None`` sums the first floating-point output.
+        inputs: Its inputs, as ``compute_loss`` takes them.
+        compute_loss: Runs the forward and returns the scalar loss (see :func:`model_loss`).
         optimizer: Stepped after backward when given.
         on_phase: Called with ``"forward"``, ``"backward"``, ``"optimizer"`` and ``"done"`` as the step moves on.
     """
     on_phase("forward")
-    output = model(*inputs)
-    loss = _check_loss((loss_fn or default_loss)(output))
-    del output
+    loss = _check_loss(compute_loss(model, inputs))
     on_phase("backward")
     loss.backward()
     del loss

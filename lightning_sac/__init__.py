@@ -1,6 +1,7 @@
 """lightning-sac: fit training into a GPU memory budget with the least recomputation."""
 
 from lightning_sac.apply import PlanHandle, apply_plan
+from lightning_sac.callback import AutoSAC
 from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
 from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
 from lightning_sac.plan import ModuleDecision, Plan
@@ -8,6 +9,7 @@ from lightning_sac.profiling import ModelProfile, ModuleOpStats, ModuleProfile, 
 from lightning_sac.solver import greedy_op_policy, optimal_op_policy, solve_plan
 
 __all__ = [
+    "AutoSAC",
     "BudgetError",
     "DeviceSpec",
     "LightningSACError",

@@ -8,9 +8,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_sac.profiling.data import ModelProfile
+from torch import nn
 
-__all__ = ["ModuleDecision", "Plan", "profile_fingerprint"]
+from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.profiling.step import tensors_of
+
+__all__ = ["ModuleDecision", "Plan", "fingerprint_of", "profile_fingerprint"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -118,8 +121,17 @@ class Plan:
         return "\n".join(lines)
 
 
+def _fingerprint(structure: list[tuple[str, str]], input_signature: list[str]) -> str:
+    text = json.dumps([sorted(structure), input_signature])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def profile_fingerprint(profile: ModelProfile) -> str:
     """Hash of the model structure (fqns and module types) and input dtypes and shapes of a profile."""
-    structure = [(fqn, m.module_type) for fqn, m in profile.modules.items()]
-    text = json.dumps([structure, profile.input_signature])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _fingerprint([(fqn, m.module_type) for fqn, m in profile.modules.items()], profile.input_signature)
+
+
+def fingerprint_of(model: nn.Module, example_inputs: tuple[Any, ...]) -> str:
+    """What :func:`profile_fingerprint` gives for ``model`` profiled on ``example_inputs``, without profiling."""
+    structure = [(fqn, type(m).__name__) for fqn, m in model.named_modules()]
+    return _fingerprint(structure, [f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)])

@@ -194,7 +194,11 @@ class AutoSAC(Callback):
             loaders = next(iter(loaders.values() if isinstance(loaders, dict) else loaders), None)
         if loaders is None:
             raise ValueError("AutoSAC found no training dataloader; pass example_batch or example_batch_fn.")
-        return next(iter(loaders))
+        # Starting a DataLoader iterator draws its base seed from the global generator: fork it, so that the
+        # run's random numbers (shuffling, dropout) are the same with AutoSAC as without.
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            return next(iter(loaders))
 
     def _target(self, trainer: pl.Trainer) -> DeviceSpec:
         if self.device is not None:

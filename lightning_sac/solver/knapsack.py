@@ -50,7 +50,9 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
     _check_budget(memory_budget)
     n = len(stats.func_names)
     memory = effective_memory(stats)
-    capacity = math.floor(memory_budget * sum(memory))
+    # A budget read off a point of the trade-off curve can land a hair below that point's bytes in floating
+    # point (8388607.99999999 for 8 MiB); flooring that would drop a whole unit.
+    capacity = math.floor(memory_budget * sum(memory) + 1e-6)
     h = new_highs(time_limit_s=10.0, mip_gap=0.0)
     x = [h.addBinary() for _ in range(n)]
     for i in stats.view_like_ops:

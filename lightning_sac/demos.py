@@ -8,12 +8,13 @@ including ``torch.device("meta")`` for models too large to materialize.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "MLP", "CausalSelfAttention", "ConvNet", "TransformerBlock"]
+__all__ = ["GPT", "GPTConfig", "MLP", "CausalSelfAttention", "ConvNet", "TransformerBlock", "gpt_example"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,3 +152,25 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map images (batch, channels, height, width) to class logits."""
         return self.head(torch.flatten(self.pool(self.features(x)), 1))
+
+
+def gpt_example(
+    n_layer: int = 12, n_embd: int = 768, n_head: int = 12, seq_len: int = 1024, batch_size: int = 8
+) -> tuple[GPT, tuple[torch.Tensor], Any, Any]:
+    """A GPT-2-small-sized model on the meta device, a token batch, its loss and AdamW: a factory for the CLI.
+
+    ``lightning-sac plan lightning_sac.demos:gpt_example --budget-gb 20 --device A100-40GB``
+    """
+    config = GPTConfig(vocab_size=50304, block_size=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    with torch.device("meta"):
+        model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    targets = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+
+    def loss_fn(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def optimizer_factory(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=3e-4)
+
+    return model, (idx,), loss_fn, optimizer_factory

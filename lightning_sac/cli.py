@@ -1,0 +1,183 @@
+"""``lightning-sac``: plan checkpointing for a model from the command line, and list the device table.
+
+    lightning-sac plan MODULE:FACTORY --budget-gb 40 --device H100-SXM [--world-size 8 --sharding sharded]
+                       [--json plan.json]
+    lightning-sac devices
+
+Built the way accelerate builds ``estimate-memory``: ``gather_*`` functions return data, ``render_*`` functions
+turn it into text, and each command's parser comes from ``*_command_parser(subparsers=None)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
+from lightning_sac.errors import LightningSACError
+from lightning_sac.plan import Plan
+from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.profiling.dry_run import profile_model
+from lightning_sac.solver.milp import solve_plan
+
+__all__ = [
+    "devices_command_parser",
+    "gather_devices",
+    "gather_plan",
+    "load_factory",
+    "main",
+    "plan_command_parser",
+    "render_devices",
+    "render_plan",
+]
+
+_GIB = 2**30
+
+
+def load_factory(target: str) -> Any:
+    """Import ``MODULE:FACTORY`` (a module path, or a ``.py`` file) and return the factory."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Expected MODULE:FACTORY (e.g. lightning_sac.demos:gpt_example), got {target!r}.")
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        sys.path.insert(0, str(path.parent))
+        module_name = path.stem
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise ValueError(f"Module {module_name!r} has no attribute {attr!r}.")
+    return getattr(module, attr)
+
+
+def gather_plan(
+    target: str,
+    *,
+    budget_gb: float,
+    device: str = "auto",
+    world_size: int = 1,
+    sharding: str = "replicated",
+    estimate: str = "roofline",
+    candidates: Sequence[str] | None = None,
+    n_segments: int = 2,
+) -> tuple[ModelProfile, Plan]:
+    """Profile the factory's model and solve a plan; return both.
+
+    The factory returns ``(model, example_inputs)``, optionally followed by ``loss_fn`` and
+    ``optimizer_factory``, as :func:`~lightning_sac.profile_model` takes them.
+    """
+    made = load_factory(target)()
+    if not isinstance(made, tuple) or not 2 <= len(made) <= 4:
+        raise TypeError(
+            f"{target} must return (model, example_inputs[, loss_fn[, optimizer_factory]]), got {type(made).__name__}."
+        )
+    model, inputs, loss_fn, optimizer_factory = (*made, None, None)[:4]
+    profile = profile_model(
+        model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device=device, estimate=estimate
+    )
+    plan = solve_plan(
+        profile, budget_gb, world_size=world_size, sharding=sharding, candidates=candidates, n_segments=n_segments
+    )
+    return profile, plan
+
+
+def render_plan(profile: ModelProfile, plan: Plan) -> str:
+    """The plan's table with the profile's step time and peak breakdown."""
+    parts = ", ".join(f"{k} {v / _GIB:.3f}" for k, v in profile.peak_breakdown.items() if v)
+    return (
+        f"profile: {profile.device.name}, step {profile.step_ms:.2f} ms, peak {profile.peak_bytes / _GIB:.3f} GiB "
+        f"({parts})\n{plan.table()}"
+    )
+
+
+def gather_devices() -> list[DeviceSpec]:
+    """Every device of the table, in name order."""
+    return [DEVICE_SPECS[name] for name in sorted(DEVICE_SPECS)]
+
+
+def render_devices(specs: Sequence[DeviceSpec]) -> str:
+    """A table of the devices: memory, dense throughput per dtype, bandwidth, allocator rounding."""
+    keys = ["fp32", "tf32", "bf16", "fp16", "fp8"]
+    header = f"{'device':<12} {'GiB':>7} " + " ".join(f"{k + ' TF/s':>10}" for k in keys) + f" {'GB/s':>7} {'round':>6}"
+    lines = [header, "-" * len(header)]
+    for s in specs:
+        flops = " ".join(f"{s.tflops[k]:>10.1f}" if k in s.tflops else f"{'-':>10}" for k in keys)
+        lines.append(f"{s.name:<12} {s.memory_gib:>7.1f} {flops} {s.dram_gbps:>7.0f} {s.allocator_rounding:>6}")
+    return "\n".join(lines)
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    profile, plan = gather_plan(
+        args.factory,
+        budget_gb=args.budget_gb,
+        device=args.device,
+        world_size=args.world_size,
+        sharding=args.sharding,
+        estimate=args.estimate,
+        candidates=args.candidates,
+        n_segments=args.n_segments,
+    )
+    print(render_plan(profile, plan))
+    if args.json:
+        Path(args.json).write_text(plan.to_json(indent=1))
+        print(f"plan written to {args.json}")
+    return 0
+
+
+def _devices_command(args: argparse.Namespace) -> int:
+    print(render_devices(gather_devices()))
+    return 0
+
+
+def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``lightning-sac plan``."""
+    description = "Profile a model on fake tensors for a target device and print the cheapest checkpointing plan."
+    if subparsers is not None:
+        parser = subparsers.add_parser("plan", description=description, help=description)
+    else:
+        parser = argparse.ArgumentParser("lightning-sac plan", description=description)
+    parser.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]])")
+    parser.add_argument("--budget-gb", type=float, required=True, help="memory budget per device, GiB")
+    parser.add_argument("--device", default="auto", help="target device (see `lightning-sac devices`)")
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--sharding", choices=["replicated", "sharded"], default="replicated")
+    parser.add_argument("--estimate", choices=["roofline", "benchmark"], default="roofline")
+    parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
+    parser.add_argument("--n-segments", type=int, default=2)
+    parser.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    parser.set_defaults(func=_plan_command)
+    return parser
+
+
+def devices_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``lightning-sac devices``."""
+    description = "List the target devices and their datasheet figures."
+    if subparsers is not None:
+        parser = subparsers.add_parser("devices", description=description, help=description)
+    else:
+        parser = argparse.ArgumentParser("lightning-sac devices", description=description)
+    parser.set_defaults(func=_devices_command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``lightning-sac`` command line; returns the exit code."""
+    parser = argparse.ArgumentParser("lightning-sac", description="Automatic selective activation checkpointing.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    plan_command_parser(subparsers)
+    devices_command_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except (LightningSACError, ValueError) as err:
+        # A clear message, not a traceback, for what the user can fix; the exit code says it failed.
+        print(f"lightning-sac: error: {err}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

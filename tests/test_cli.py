@@ -1,0 +1,50 @@
+"""The command line: its numbers are solve_plan's on the same factory; devices; errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lightning_sac import Plan, profile_model, solve_plan
+from lightning_sac.cli import gather_devices, main, render_devices
+from lightning_sac.demos import gpt_example
+from lightning_sac.devices import known_devices
+
+FACTORY = "lightning_sac.demos:gpt_example"
+
+
+def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    argv = ["plan", FACTORY, "--budget-gb", "6", "--device", "H100-SXM", "--world-size", "8", "--sharding", "sharded"]
+    assert main([*argv, "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    cli = Plan.from_json(path.read_text())
+    model, inputs, loss_fn, optimizer_factory = gpt_example()
+    profile = profile_model(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device="H100-SXM")
+    direct = solve_plan(profile, 6, world_size=8, sharding="sharded")
+    assert cli.decisions == direct.decisions and cli.decisions
+    assert (cli.predicted_peak_bytes, cli.unconstrained_peak_bytes) == (
+        direct.predicted_peak_bytes,
+        direct.unconstrained_peak_bytes,
+    )
+    assert cli.predicted_recompute_ms == direct.predicted_recompute_ms
+    assert f"peak {direct.predicted_peak_bytes / 2**30:.3f} GiB" in printed
+    assert "world size 8 (sharded)" in printed
+
+
+def test_devices_command_lists_the_table():
+    specs = gather_devices()
+    assert [s.name for s in specs] == known_devices()
+    text = render_devices(specs)
+    assert "H100-SXM" in text and "989.4" in text and "MI300X" in text
+    out = subprocess.run([sys.executable, "-m", "lightning_sac", "devices"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == text
+
+
+def test_errors_exit_2_with_a_message(capsys):
+    assert main(["plan", "no-colon", "--budget-gb", "1"]) == 2
+    assert "Expected MODULE:FACTORY" in capsys.readouterr().err
+    assert main(["plan", FACTORY, "--budget-gb", "0.01", "--device", "H100-SXM"]) == 2
+    assert "below the minimum achievable peak" in capsys.readouterr().err
+    assert main(["plan", FACTORY, "--budget-gb", "1", "--device", "H900"]) == 2
+    assert "H100-SXM" in capsys.readouterr().err

@@ -266,26 +266,22 @@ class AutoSAC(Callback):
         self.profiled = True
         if len(tensors_of(batch)) == 0:
             warnings.warn("AutoSAC's example batch holds no tensors.", stacklevel=2)
-        try:
+
+        def solve(budget_gb: float) -> Plan:
             return solve_plan(
                 profile,
-                budget,
+                budget_gb,
                 world_size=world_size,
                 sharding=sharding,
                 candidates=self.candidates,
                 n_segments=self.n_segments,
                 time_limit_s=self.solver_time_limit_s,
             )
+
+        try:
+            return solve(budget)
         except BudgetError as err:
             if self.strict:
                 raise
             rank_zero_warn(f"{err} strict=False: applying the minimum-memory plan instead.")
-            return solve_plan(
-                profile,
-                err.minimum_bytes * 1.001 / _GIB,
-                world_size=world_size,
-                sharding=sharding,
-                candidates=self.candidates,
-                n_segments=self.n_segments,
-                time_limit_s=self.solver_time_limit_s,
-            )
+            return solve(err.minimum_bytes * 1.001 / _GIB)

@@ -16,7 +16,6 @@ error, and a policy may answer with a bool (``True`` = ``MUST_SAVE``, ``False`` 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_sac.plan import ModuleDecision
-from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors, op_name
+from lightning_sac.apply.planned import CallState, PlannedForward
+from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors
 
 __all__ = ["GraphCheckpointForward", "PolicyContext", "PolicyFn", "compose_policies", "save_recompute_policy"]
 
@@ -355,49 +354,10 @@ def recompute_count() -> int:
     return _graph().recomputes
 
 
-class GraphCheckpointForward:
-    """A module's forward run as a graph region with a plan's per-op decisions (the ``"graph"`` backend).
+class GraphCheckpointForward(PlannedForward):
+    """A module's forward run as a graph region with a plan's per-op decisions (the ``"graph"`` backend)."""
 
-    Op ``i`` of the call (ops SAC ignores not counted, as in the profile) is ``MUST_SAVE`` when the plan saves
-    it and ``PREFER_RECOMPUTE`` otherwise. When the call runs another op than the profiled one, the rest of the
-    call is saved and a warning names the module once.
-    """
-
-    def __init__(self, module: torch.nn.Module, fqn: str, decision: ModuleDecision) -> None:
-        self.fqn = fqn
-        self.names = list(decision.op_names)
-        self.save = [bool(x) for x in decision.op_policy]
-        self.inner: Callable[..., Any] = type(module).forward.__get__(module)
-        self.warned = False
-        self.calls = 0
-        self.mismatched_calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's forward inside a graph region with the planned policy."""
-        if not torch.is_grad_enabled():
+    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
+        """Run the forward inside a graph region whose policy is :meth:`PlannedForward.decide`."""
+        with save_recompute_policy(lambda ctx, func, *a, **k: self.decide(state, func)):
             return self.inner(*args, **kwargs)
-        self.calls += 1
-        mismatch: list[str] = []
-
-        def policy(ctx: PolicyContext, func: Any, *a: Any, **k: Any) -> CheckpointPolicy:
-            i = ctx.op_index
-            expected = self.names[i] if i < len(self.names) else "the end of the profiled ops"
-            if not mismatch and op_name(func) != expected:
-                mismatch.append(f"op {i} is {op_name(func)}, the profile has {expected}")
-            if mismatch or self.save[i]:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
-        with save_recompute_policy(policy):
-            out = self.inner(*args, **kwargs)
-        if mismatch:
-            self.mismatched_calls += 1
-            if not self.warned:
-                self.warned = True
-                warnings.warn(
-                    f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({mismatch[0]}), so "
-                    "its planned policy was not applied to the rest of that call (every op was saved). Plan with "
-                    "the worst-case batch. (Warned once.)",
-                    stacklevel=2,
-                )
-        return out

@@ -22,7 +22,14 @@ from lightning_sac.profiling.step import (
     training_step,
 )
 
-__all__ = ["MeasuredStep", "measure_training_step", "peak_from_events"]
+__all__ = [
+    "TIMELINE_CATEGORIES",
+    "MeasuredStep",
+    "MemoryTimeline",
+    "measure_training_step",
+    "memory_timeline",
+    "peak_from_events",
+]
 
 
 @dataclass(kw_only=True)
@@ -97,3 +104,57 @@ def measure_training_step(
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     ]
     return peak_from_events(events, baseline)
+
+
+#: Categories of PyTorch's memory profiler, in its stacking order, with ``unknown`` for uncategorized bytes.
+TIMELINE_CATEGORIES = (
+    "parameter",
+    "optimizer_state",
+    "input",
+    "temporary",
+    "activation",
+    "gradient",
+    "autograd_detail",
+    "unknown",
+)
+
+
+@dataclass(kw_only=True)
+class MemoryTimeline:
+    """Live bytes of one device over a profiled window, by PyTorch's memory profiler categories.
+
+    Attributes:
+        times_us: Time of each sample, microseconds from the first.
+        by_category: Bytes per category (:data:`TIMELINE_CATEGORIES`) at each sample.
+        peak_bytes: Highest total over the window, from the raw allocator events (as :func:`peak_from_events`,
+            relative to what was alive when profiling began).
+    """
+
+    times_us: list[float]
+    by_category: dict[str, list[int]]
+    peak_bytes: int
+
+
+def memory_timeline(prof: profile, device: str = "cpu") -> MemoryTimeline:
+    """Categorize the memory of a finished ``torch.profiler.profile`` run.
+
+    The profile must have been taken with ``profile_memory=True, record_shapes=True, with_stack=True``.
+    Categories come from PyTorch's memory profiler (``torch.profiler._memory_profiler``: the only public
+    implementation of its categorization, used by ``export_memory_timeline`` too).
+    """
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+    t0 = times[0] if times else 0
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None, "the profile is not finished"
+    by_category = {c: [int(row[i + 1]) for row in sizes] for i, c in enumerate(TIMELINE_CATEGORIES)}
+    events = [
+        (e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()).split(".")[-1].lower() == device.split(":")[0]
+    ]
+    return MemoryTimeline(
+        times_us=[float(t - t0) for t in times],
+        by_category=by_category,
+        peak_bytes=peak_from_events(events, 0).peak_bytes,
+    )

@@ -11,16 +11,21 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.profiler import ProfilerActivity, profile
 from typing_extensions import override
 
 from lightning_sac.apply import PlanHandle, apply_plan
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
+from lightning_sac.measure import MemoryTimeline, memory_timeline, unique_bytes
 from lightning_sac.plan import Plan, fingerprint_of
+from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.dry_run import profile_step
 from lightning_sac.profiling.step import tensors_of
+from lightning_sac.report.tensorboard import TAG, log_measured, log_plan
 from lightning_sac.solver.milp import solve_plan
 
 __all__ = ["AutoSAC"]
@@ -82,6 +87,9 @@ class AutoSAC(Callback):
             step. ``False``: warn, then apply the minimum-memory plan, or train without a plan.
         example_batch: The batch to plan for, instead of the first training batch.
         example_batch_fn: Or a function returning it.
+        log_figures: Log the plan's figures to TensorBoard (scalars and the plan table are always logged).
+        measure: Profile the first real training step with torch.profiler and log its memory timeline and
+            peak beside the prediction; warn when it exceeds the budget.
     """
 
     def __init__(
@@ -99,6 +107,8 @@ class AutoSAC(Callback):
         strict: bool = True,
         example_batch: Any = None,
         example_batch_fn: Callable[[], Any] | None = None,
+        log_figures: bool = True,
+        measure: bool = True,
     ) -> None:
         if (budget_gb is None) == (budget_fraction is None):
             raise ValueError(
@@ -123,10 +133,17 @@ class AutoSAC(Callback):
         self.strict = strict
         self.example_batch = example_batch
         self.example_batch_fn = example_batch_fn
+        self.log_figures = log_figures
+        self.measure = measure
         self.plan: Plan | None = None
+        self.profile: ModelProfile | None = None  # the dry run's profile, when this fit profiled
+        self.measured: MemoryTimeline | None = None  # the first planned step, measured
         self.profiled = False  # whether this fit profiled (False when the plan came from a checkpoint or file)
         self._restored: Plan | None = None
         self._handle: PlanHandle | None = None
+        self._writer: Any = None
+        self._profiler: Any = None
+        self._baseline = 0
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -167,12 +184,87 @@ class AutoSAC(Callback):
         if self.plan_path is not None and trainer.is_global_zero:
             self.plan_path.write_text(self.plan.to_json(indent=1))
         rank_zero_info(f"AutoSAC plan ({self.backend} backend):\n{self.plan.table()}")
+        if trainer.is_global_zero:
+            log_plan(self._summary_writer(trainer), self.plan, self.profile, figures=self.log_figures)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not (self.measure and self.plan is not None and trainer.is_global_zero and self.measured is None):
+            return
+        if self._profiler is None:
+            # Alive when the step begins: parameters, buffers, gradients, optimizer state and the batch.
+            state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
+            tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
+            tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self._baseline = unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
+            self._profiler = profile(
+                activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self._profiler.__enter__()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._profiler is None or self.plan is None:
+            return
+        self._profiler.__exit__(None, None, None)
+        device = trainer.strategy.root_device
+        self.measured = memory_timeline(self._profiler, str(device), self._baseline)
+        self._profiler = None
+        writer = self._summary_writer(trainer)
+        log_measured(writer, self.measured, budget_bytes=self.plan.budget_bytes, figures=self.log_figures)
+        if device.type == "cuda":
+            writer.add_scalar(f"{TAG}/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / _GIB, 0)
+        self.compare_measured(self.measured.peak_bytes, device.type)
+
+    def compare_measured(self, measured_bytes: int, device_type: str) -> None:
+        """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
+        assert self.plan is not None
+        planned_for = (
+            "cuda" if get_device_spec(self.plan.device).is_cuda else "cpu" if self.plan.device == "cpu" else "?"
+        )
+        if planned_for != device_type:
+            rank_zero_info(
+                f"AutoSAC planned for {self.plan.device} but trains on {device_type}: the measured peak "
+                f"({measured_bytes / _GIB:.3f} GiB) is logged, not compared with the budget."
+            )
+            return
+        if measured_bytes > self.plan.budget_bytes:
+            rank_zero_warn(
+                f"AutoSAC: the measured peak of the first planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
+                f"the budget of {self.plan.budget_gb:.3f} GiB (predicted {self.plan.predicted_peak_bytes / _GIB:.3f} "
+                "GiB). The plan did not take effect as planned or the estimate was wrong; lower the budget or "
+                "check the warnings above."
+            )
+
+    def _summary_writer(self, trainer: pl.Trainer) -> Any:
+        """The trainer's TensorBoard writer when it has a TensorBoardLogger, otherwise our own."""
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                return logger.experiment
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(os.path.join(trainer.log_dir or trainer.default_root_dir, "lightning_sac_logs"))
+        return self._writer
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._profiler is not None:  # fit ended inside the measured step
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -264,6 +356,7 @@ class AutoSAC(Callback):
             rank_zero_warn(f"AutoSAC could not profile the training step, so training runs without a plan: {err}")
             return None
         self.profiled = True
+        self.profile = profile
         if len(tensors_of(batch)) == 0:
             warnings.warn("AutoSAC's example batch holds no tensors.", stacklevel=2)
 

@@ -29,6 +29,7 @@ __all__ = [
     "measure_training_step",
     "memory_timeline",
     "peak_from_events",
+    "unique_bytes",
 ]
 
 
@@ -61,7 +62,8 @@ def peak_from_events(events: list[tuple[int, int]], baseline_bytes: int) -> Meas
     return MeasuredStep(peak_bytes=peak, baseline_bytes=baseline_bytes, timeline=timeline)
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
     return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
@@ -95,7 +97,7 @@ def measure_training_step(
         else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     )
     grads = [p.grad for p in params if p.grad is not None]
-    baseline = _unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(example_inputs))
+    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(example_inputs))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         training_step(model, example_inputs, compute_loss, optimizer)
     events = [
@@ -126,16 +128,20 @@ class MemoryTimeline:
     Attributes:
         times_us: Time of each sample, microseconds from the first.
         by_category: Bytes per category (:data:`TIMELINE_CATEGORIES`) at each sample.
-        peak_bytes: Highest total over the window, from the raw allocator events (as :func:`peak_from_events`,
-            relative to what was alive when profiling began).
+        peak_bytes: ``baseline_bytes`` plus the highest net allocation of the raw allocator events (as
+            :func:`peak_from_events` folds them).
+        baseline_bytes: Bytes alive when profiling began, as the caller counted them.
+        events: The raw allocator events ``(start ns, +/- bytes)`` of the device.
     """
 
     times_us: list[float]
     by_category: dict[str, list[int]]
     peak_bytes: int
+    baseline_bytes: int = 0
+    events: list[tuple[int, int]] = field(default_factory=list)
 
 
-def memory_timeline(prof: profile, device: str = "cpu") -> MemoryTimeline:
+def memory_timeline(prof: profile, device: str = "cpu", baseline_bytes: int = 0) -> MemoryTimeline:
     """Categorize the memory of a finished ``torch.profiler.profile`` run.
 
     The profile must have been taken with ``profile_memory=True, record_shapes=True, with_stack=True``.
@@ -156,5 +162,7 @@ def memory_timeline(prof: profile, device: str = "cpu") -> MemoryTimeline:
     return MemoryTimeline(
         times_us=[float(t - t0) for t in times],
         by_category=by_category,
-        peak_bytes=peak_from_events(events, 0).peak_bytes,
+        peak_bytes=peak_from_events(events, baseline_bytes).peak_bytes,
+        baseline_bytes=baseline_bytes,
+        events=events,
     )

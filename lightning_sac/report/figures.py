@@ -94,7 +94,7 @@ def module_memory_figure(profile: ModelProfile, plan: Plan, n: int = 12) -> Any:
             alpha=1.0 if with_plan else 0.45,
             label="activations with plan" if with_plan else "activations without plan",
         )
-    ax.set_xticks(x, fqns, rotation=45, ha="right", fontsize="small")
+    ax.set_xticks(x, [f or "<root>" for f in fqns], rotation=45, ha="right", fontsize="small")
     ax.set_ylabel("memory (GiB)")
     ax.set_title("predicted memory per module: without (left) and with (right) the plan")
     ax.legend(fontsize="small")

@@ -88,8 +88,9 @@ class AutoSAC(Callback):
         example_batch: The batch to plan for, instead of the first training batch.
         example_batch_fn: Or a function returning it.
         log_figures: Log the plan's figures to TensorBoard (scalars and the plan table are always logged).
-        measure: Profile the first real training step with torch.profiler and log its memory timeline and
-            peak beside the prediction; warn when it exceeds the budget.
+        measure: Profile the second real training step (the optimizer's state exists by then) with
+            torch.profiler and log its memory timeline and peak beside the prediction; warn when it exceeds the
+            budget.
     """
 
     def __init__(
@@ -144,6 +145,7 @@ class AutoSAC(Callback):
         self._writer: Any = None
         self._profiler: Any = None
         self._baseline = 0
+        self._steps_seen = 0
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -193,7 +195,9 @@ class AutoSAC(Callback):
     ) -> None:
         if not (self.measure and self.plan is not None and trainer.is_global_zero and self.measured is None):
             return
-        if self._profiler is None:
+        self._steps_seen += 1
+        # The second step of the fit: the optimizer's state exists by then, as the prediction assumes.
+        if self._profiler is None and self._steps_seen == 2:
             # Alive when the step begins: parameters, buffers, gradients, optimizer state and the batch.
             state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
             tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
@@ -221,15 +225,12 @@ class AutoSAC(Callback):
         log_measured(writer, self.measured, budget_bytes=self.plan.budget_bytes, figures=self.log_figures)
         if device.type == "cuda":
             writer.add_scalar(f"{TAG}/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / _GIB, 0)
-        self.compare_measured(self.measured.peak_bytes, device.type)
+        self.compare_measured(self.measured.peak_bytes, device.type, self._target(trainer).is_cuda)
 
-    def compare_measured(self, measured_bytes: int, device_type: str) -> None:
+    def compare_measured(self, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
         """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
         assert self.plan is not None
-        planned_for = (
-            "cuda" if get_device_spec(self.plan.device).is_cuda else "cpu" if self.plan.device == "cpu" else "?"
-        )
-        if planned_for != device_type:
+        if ("cuda" if target_is_cuda else "cpu") != device_type:
             rank_zero_info(
                 f"AutoSAC planned for {self.plan.device} but trains on {device_type}: the measured peak "
                 f"({measured_bytes / _GIB:.3f} GiB) is logged, not compared with the budget."
@@ -237,7 +238,7 @@ class AutoSAC(Callback):
             return
         if measured_bytes > self.plan.budget_bytes:
             rank_zero_warn(
-                f"AutoSAC: the measured peak of the first planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
+                f"AutoSAC: the measured peak of a planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
                 f"the budget of {self.plan.budget_gb:.3f} GiB (predicted {self.plan.predicted_peak_bytes / _GIB:.3f} "
                 "GiB). The plan did not take effect as planned or the estimate was wrong; lower the budget or "
                 "check the warnings above."
@@ -251,7 +252,9 @@ class AutoSAC(Callback):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(trainer.log_dir or trainer.default_root_dir, "lightning_sac_logs"))
+            self._writer = SummaryWriter(
+                os.path.join(trainer.log_dir or trainer.default_root_dir, "lightning_sac_logs")
+            )
         return self._writer
 
     @override

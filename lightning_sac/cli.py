@@ -2,6 +2,7 @@
 
     lightning-sac plan MODULE:FACTORY --budget-gb 40 --device H100-SXM [--world-size 8 --sharding sharded]
                        [--json plan.json]
+    lightning-sac report plan.json --profile profile.json --out runs/plan
     lightning-sac devices
 
 Built the way accelerate builds ``estimate-memory``: ``gather_*`` functions return data, ``render_*`` functions
@@ -28,11 +29,13 @@ __all__ = [
     "devices_command_parser",
     "gather_devices",
     "gather_plan",
+    "gather_report",
     "load_factory",
     "main",
     "plan_command_parser",
     "render_devices",
     "render_plan",
+    "report_command_parser",
 ]
 
 _GIB = 2**30
@@ -124,6 +127,31 @@ def _plan_command(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=1))
         print(f"plan written to {args.json}")
+    if args.profile_json:
+        Path(args.profile_json).write_text(profile.to_json())
+        print(f"profile written to {args.profile_json}")
+    return 0
+
+
+def gather_report(plan_path: str, profile_path: str | None, out: str, *, figures: bool = True) -> list[str]:
+    """Write the plan's TensorBoard panels (figures need the profile) to ``out``; return the event files."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lightning_sac.report.tensorboard import log_plan
+
+    plan = Plan.from_json(Path(plan_path).read_text())
+    profile = ModelProfile.from_json(Path(profile_path).read_text()) if profile_path else None
+    writer = SummaryWriter(out)
+    try:
+        log_plan(writer, plan, profile, figures=figures)
+    finally:
+        writer.close()
+    return sorted(str(p) for p in Path(out).glob("events.out.tfevents.*"))
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    files = gather_report(args.plan, args.profile, args.out, figures=not args.no_figures)
+    print(f"wrote {len(files)} event file(s) to {args.out}; open them with: tensorboard --logdir {args.out}")
     return 0
 
 
@@ -148,7 +176,23 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
     parser.add_argument("--n-segments", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the plan to this JSON file")
+    parser.add_argument("--profile-json", default=None, help="also write the profile (for `report` figures)")
     parser.set_defaults(func=_plan_command)
+    return parser
+
+
+def report_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The parser of ``lightning-sac report``."""
+    description = "Write a plan's TensorBoard panels (plan table, peaks; figures with --profile) without training."
+    if subparsers is not None:
+        parser = subparsers.add_parser("report", description=description, help=description)
+    else:
+        parser = argparse.ArgumentParser("lightning-sac report", description=description)
+    parser.add_argument("plan", help="plan JSON from `lightning-sac plan --json`")
+    parser.add_argument("--profile", default=None, help="profile JSON from `lightning-sac plan --profile-json`")
+    parser.add_argument("--out", required=True, help="TensorBoard log directory to write to")
+    parser.add_argument("--no-figures", action="store_true")
+    parser.set_defaults(func=_report_command)
     return parser
 
 
@@ -168,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser("lightning-sac", description="Automatic selective activation checkpointing.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     plan_command_parser(subparsers)
+    report_command_parser(subparsers)
     devices_command_parser(subparsers)
     args = parser.parse_args(argv)
     try:

@@ -252,9 +252,9 @@ class AutoSAC(Callback):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(
-                os.path.join(trainer.log_dir or trainer.default_root_dir, "lightning_sac_logs")
-            )
+            # Not trainer.log_dir: it broadcasts, and only global rank 0 gets here.
+            logger_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
+            self._writer = SummaryWriter(os.path.join(logger_dir or trainer.default_root_dir, "lightning_sac_logs"))
         return self._writer
 
     @override

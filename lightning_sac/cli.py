@@ -160,13 +160,18 @@ def _devices_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parser(subparsers: Any, name: str, description: str) -> argparse.ArgumentParser:
+    """A sub-command's parser: under ``lightning-sac`` when ``subparsers`` is given, standalone otherwise."""
+    if subparsers is not None:
+        parser: argparse.ArgumentParser = subparsers.add_parser(name, description=description, help=description)
+        return parser
+    return argparse.ArgumentParser(f"lightning-sac {name}", description=description)
+
+
 def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The parser of ``lightning-sac plan``."""
     description = "Profile a model on fake tensors for a target device and print the cheapest checkpointing plan."
-    if subparsers is not None:
-        parser = subparsers.add_parser("plan", description=description, help=description)
-    else:
-        parser = argparse.ArgumentParser("lightning-sac plan", description=description)
+    parser = _parser(subparsers, "plan", description)
     parser.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]])")
     parser.add_argument("--budget-gb", type=float, required=True, help="memory budget per device, GiB")
     parser.add_argument("--device", default="auto", help="target device (see `lightning-sac devices`)")
@@ -184,10 +189,7 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def report_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The parser of ``lightning-sac report``."""
     description = "Write a plan's TensorBoard panels (plan table, peaks; figures with --profile) without training."
-    if subparsers is not None:
-        parser = subparsers.add_parser("report", description=description, help=description)
-    else:
-        parser = argparse.ArgumentParser("lightning-sac report", description=description)
+    parser = _parser(subparsers, "report", description)
     parser.add_argument("plan", help="plan JSON from `lightning-sac plan --json`")
     parser.add_argument("--profile", default=None, help="profile JSON from `lightning-sac plan --profile-json`")
     parser.add_argument("--out", required=True, help="TensorBoard log directory to write to")
@@ -199,10 +201,7 @@ def report_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def devices_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The parser of ``lightning-sac devices``."""
     description = "List the target devices and their datasheet figures."
-    if subparsers is not None:
-        parser = subparsers.add_parser("devices", description=description, help=description)
-    else:
-        parser = argparse.ArgumentParser("lightning-sac devices", description=description)
+    parser = _parser(subparsers, "devices", description)
     parser.set_defaults(func=_devices_command)
     return parser
 

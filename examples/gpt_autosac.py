@@ -73,6 +73,11 @@ def main() -> None:
     assert plan is not None
     print(plan.table())
     print(f"loss: first {module.losses[0]:.3f}, last {module.losses[-1]:.3f} over {len(module.losses)} steps")
+    if autosac.measured is not None:
+        print(
+            f"AutoSAC measured the second planned training step: peak {autosac.measured.peak_bytes / MIB:.2f} MiB "
+            f"(predicted {plan.predicted_peak_bytes / MIB:.2f} MiB, budget {plan.budget_bytes / MIB:.2f} MiB)"
+        )
     if plan.device == "cpu":
         model = copy.deepcopy(module.model)
         prefixed = copy.deepcopy(plan)  # the plan names modules of the LightningModule: "model.blocks.0" ...

@@ -198,6 +198,12 @@ class AutoSAC(Callback):
         self._steps_seen += 1
         # The second step of the fit: the optimizer's state exists by then, as the prediction assumes.
         if self._profiler is None and self._steps_seen == 2:
+            if trainer.accumulate_grad_batches == 1:
+                # torch.profiler reports no free for a block allocated before it started, so the previous step's
+                # gradients, which Lightning sets to None just before backward, would count twice. Setting them
+                # to None now changes nothing in training: backward writes fresh ones either way.
+                for optimizer in trainer.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
             # Alive when the step begins: parameters, buffers, gradients, optimizer state and the batch.
             state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
             tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
@@ -352,6 +358,7 @@ class AutoSAC(Callback):
                 estimate=self.estimate,
                 share=(trainer,),
                 autocast_dtype=_AUTOCAST.get(str(trainer.precision)),
+                lightning_order=True,
             )
         except ProfilingError as err:
             if self.strict:

@@ -46,6 +46,7 @@ def _create_optimizer_state(
     compute_loss: ComputeLoss,
     optimizer: torch.optim.Optimizer,
     params: list[nn.Parameter],
+    keep_grads: bool = False,
 ) -> None:
     """Step the optimizer once so that its state exists when the recorded step begins.
 
@@ -60,7 +61,8 @@ def _create_optimizer_state(
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not keep_grads:
+        optimizer.zero_grad(set_to_none=True)
 
 
 def profile_model(
@@ -127,6 +129,7 @@ def profile_step(
     estimate: str = "roofline",
     share: tuple[object, ...] = (),
     autocast_dtype: torch.dtype | None = None,
+    lightning_order: bool = False,
 ) -> ModelProfile:
     """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
 
@@ -142,6 +145,8 @@ def profile_step(
         estimate: ``"roofline"`` or ``"benchmark"``.
         share: Objects reachable from ``model`` that must not be copied.
         autocast_dtype: Run the forward under ``torch.autocast`` with this dtype (mixed precision).
+        lightning_order: Lightning's automatic optimization sets gradients to ``None`` just before backward, so
+            the previous step's gradients are alive through the forward: profile that order.
     """
     spec = get_device_spec(device)
     estimator = make_estimator(estimate, spec)
@@ -163,7 +168,7 @@ def profile_step(
     with mode, emulation:
         optimizer = make_optimizer(fmodel) if make_optimizer is not None else None
         if optimizer is not None:
-            _create_optimizer_state(fmodel, finputs, forward, optimizer, params)
+            _create_optimizer_state(fmodel, finputs, forward, optimizer, params, keep_grads=lightning_order)
         recorder = StepRecorder(fmodel, spec, estimator, workspace=None if spec.is_cuda else cpu_workspace_bytes)
         try:
             recorder.track_existing(params, "parameter")
@@ -173,7 +178,9 @@ def profile_step(
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
             with recorder:
-                training_step(fmodel, finputs, forward, optimizer, recorder.set_phase)
+                training_step(
+                    fmodel, finputs, forward, optimizer, recorder.set_phase, zero_grad_before_backward=lightning_order
+                )
         finally:
             recorder.close()
 

@@ -95,6 +95,8 @@ def training_step(
     compute_loss: ComputeLoss,
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[str], None] = lambda phase: None,
+    *,
+    zero_grad_before_backward: bool = False,
 ) -> None:
     """Run forward and loss, backward and (if given) the optimizer step with ``zero_grad(set_to_none=True)``.
 
@@ -104,16 +106,21 @@ def training_step(
         compute_loss: Runs the forward and returns the scalar loss (see :func:`model_loss`).
         optimizer: Stepped after backward when given.
         on_phase: Called with ``"forward"``, ``"backward"``, ``"optimizer"`` and ``"done"`` as the step moves on.
+        zero_grad_before_backward: Lightning's order: the previous step's gradients live through the forward
+            and are set to ``None`` just before backward, not after the optimizer step.
     """
     on_phase("forward")
     loss = _check_loss(compute_loss(model, inputs))
+    if zero_grad_before_backward and optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
     on_phase("backward")
     loss.backward()
     del loss
     on_phase("optimizer")
     if optimizer is not None:
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not zero_grad_before_backward:
+            optimizer.zero_grad(set_to_none=True)
     on_phase("done")
 
 

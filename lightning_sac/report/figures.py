@@ -11,7 +11,7 @@ from typing import Any
 from lightning_sac.measure import TIMELINE_CATEGORIES, MemoryTimeline
 from lightning_sac.plan import Plan
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.solver.memory_model import device_bytes
+from lightning_sac.solver.memory_model import activation_windows, device_bytes
 from lightning_sac.solver.milp import find_candidates
 from lightning_sac.tradeoff import ModuleTradeoff
 
@@ -103,17 +103,14 @@ def module_memory_figure(profile: ModelProfile, plan: Plan, n: int = 12) -> Any:
 
 def predicted_step_memory(profile: ModelProfile, plan: Plan | None) -> list[int]:
     """Predicted bytes on one device at each timeline event's peak, with ``plan`` applied (or without one)."""
-    events = profile.timeline
     freed = {} if plan is None else {f: d.freed_bytes for f, d in plan.decisions.items()}
-    first = {(e.kind, e.name): k for k, e in reversed(list(enumerate(events)))}
+    windows = activation_windows(profile)
     world = plan.world_size if plan is not None else 1
     sharding = plan.sharding if plan is not None else "replicated"
     out = []
-    for k, e in enumerate(events[:-1]):
+    for k, e in enumerate(profile.timeline[:-1]):
         value = device_bytes(e.peak_after or e.at, world, sharding)
-        for f, b in freed.items():
-            if first.get(("fwd_post", f), len(events)) <= k < first.get(("bwd_pre", f), -1):
-                value -= b
+        value -= sum(b for f, b in freed.items() if f in windows and windows[f][0] <= k < windows[f][1])
         out.append(value)
     return out
 

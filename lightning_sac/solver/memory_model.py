@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
 
-__all__ = ["MemoryConstraint", "device_bytes", "memory_constraints", "peak_with_plan"]
+__all__ = [
+    "MemoryConstraint",
+    "activation_windows",
+    "constant_floor",
+    "device_bytes",
+    "memory_constraints",
+    "peak_with_plan",
+]
 
 _SHARDED = ("parameter", "gradient", "optimizer_state")
 
@@ -27,6 +34,21 @@ def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str) -> in
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
     return total
+
+
+def activation_windows(profile: ModelProfile) -> dict[str, tuple[int, int]]:
+    """Per module with a backward: timeline indices of its (first) forward's end and (first) backward's start.
+
+    A checkpointed module's activations are absent in the intervals between the two.
+    """
+    fwd_end: dict[str, int] = {}
+    windows: dict[str, tuple[int, int]] = {}
+    for k, e in enumerate(profile.timeline):
+        if e.kind == "fwd_post":
+            fwd_end.setdefault(e.name, k)
+        elif e.kind == "bwd_pre" and e.name in fwd_end and e.name not in windows:
+            windows[e.name] = (fwd_end[e.name], k)
+    return windows
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,11 @@ def memory_constraints(
         absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
         add(device_bytes(at, world_size, sharding), absent, j)
     return [MemoryConstraint(base, absent, recompute) for (absent, recompute), base in worst.items()]
+
+
+def constant_floor(constraints: list[MemoryConstraint]) -> int:
+    """The bytes no plan can remove: the worst moment at which no candidate's activations can be absent."""
+    return max((c.base for c in constraints if not c.absent and c.recompute is None), default=0)
 
 
 def peak_with_plan(constraints: list[MemoryConstraint], freed: Mapping[str, int], transient: Mapping[str, int]) -> int:

@@ -16,7 +16,13 @@ from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
 from lightning_sac.profiling.data import ModelProfile, ModuleProfile
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
-from lightning_sac.solver.memory_model import MemoryConstraint, memory_constraints, peak_with_plan
+from lightning_sac.solver.memory_model import (
+    MemoryConstraint,
+    activation_windows,
+    constant_floor,
+    memory_constraints,
+    peak_with_plan,
+)
 from lightning_sac.tradeoff import ModuleTradeoff, effective_memory, module_tradeoff
 
 __all__ = ["Candidate", "find_candidates", "solve_plan"]
@@ -82,16 +88,10 @@ def find_candidates(
         bad = [c for c in candidates if not isinstance(c, (str, type))]
         if bad:
             raise TypeError(f"candidates must be module classes or fqn glob patterns, got {bad!r}.")
-    fwd_end: dict[str, int] = {}
-    bwd_begin: dict[str, int] = {}
-    for k, e in enumerate(profile.timeline):
-        if e.kind == "fwd_post":
-            fwd_end.setdefault(e.name, k)
-        elif e.kind == "bwd_pre":
-            bwd_begin.setdefault(e.name, k)
+    windows = activation_windows(profile)
     found = []
     for fqn, m in profile.modules.items():
-        if m.is_leaf or m.op_stats is None or m.calls != 1 or fqn not in bwd_begin or not _matches(m, candidates):
+        if m.is_leaf or m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
             continue
         post, pre = m.memory["post_forward"], m.memory["pre_forward"]
         retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
@@ -99,7 +99,7 @@ def find_candidates(
         tradeoff = module_tradeoff(m.op_stats, n_segments)
         if tradeoff.total_memory == 0 or retained == 0:
             continue  # nothing to free
-        found.append(Candidate(fqn, (fwd_end[fqn], bwd_begin[fqn]), retained, transient, tradeoff))
+        found.append(Candidate(fqn, windows[fqn], retained, transient, tradeoff))
     return found
 
 
@@ -111,9 +111,7 @@ def _related(a: str, b: str) -> bool:
     return a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + ".")
 
 
-def _build(
-    h: highspy.Highs, cands: list[Candidate], constraints: list[MemoryConstraint]
-) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+def _build(h: highspy.Highs, cands: list[Candidate]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows."""
     y = {c.fqn: h.addBinary() for c in cands}
     r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
@@ -158,9 +156,9 @@ def _constraint_rows(
 def _minimum_peak(cands: list[Candidate], constraints: list[MemoryConstraint]) -> float:
     """The lowest peak any plan reaches, bytes (a MILP minimizing the peak instead of the recompute)."""
     h = new_highs(time_limit_s=30.0, mip_gap=1e-6)
-    y, r, _ = _build(h, cands, constraints)
+    y, r, _ = _build(h, cands)
     peak = h.addVariable(lb=0.0)
-    constant = max((c.base for c in constraints if not c.absent and c.recompute is None), default=0)
+    constant = constant_floor(constraints)
     h.addConstr(peak >= constant / _MIB)
     _constraint_rows(h, cands, constraints, y, r, peak)
     h.minimize(peak)
@@ -229,8 +227,8 @@ def solve_plan(
         return plan
 
     h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-    y, r, rc = _build(h, cands, constraints)
-    constant = max((c.base for c in constraints if not c.absent and c.recompute is None), default=0)
+    y, r, rc = _build(h, cands)
+    constant = constant_floor(constraints)
     status = highspy.HighsModelStatus.kInfeasible
     if constant <= budget:
         _constraint_rows(h, cands, constraints, y, r, budget / _MIB - _MARGIN_MIB)

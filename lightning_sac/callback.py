@@ -379,6 +379,7 @@ class AutoSAC(Callback):
                 candidates=self.candidates,
                 n_segments=self.n_segments,
                 time_limit_s=self.solver_time_limit_s,
+                backend=self.backend,
             )
 
         try:

@@ -66,6 +66,7 @@ def gather_plan(
     estimate: str = "roofline",
     candidates: Sequence[str] | None = None,
     n_segments: int = 2,
+    backend: str = "sac",
 ) -> tuple[ModelProfile, Plan]:
     """Profile the factory's model and solve a plan; return both.
 
@@ -82,7 +83,13 @@ def gather_plan(
         model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device=device, estimate=estimate
     )
     plan = solve_plan(
-        profile, budget_gb, world_size=world_size, sharding=sharding, candidates=candidates, n_segments=n_segments
+        profile,
+        budget_gb,
+        world_size=world_size,
+        sharding=sharding,
+        candidates=candidates,
+        n_segments=n_segments,
+        backend=backend,
     )
     return profile, plan
 
@@ -122,6 +129,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         estimate=args.estimate,
         candidates=args.candidates,
         n_segments=args.n_segments,
+        backend=args.backend,
     )
     print(render_plan(profile, plan))
     if args.json:
@@ -180,6 +188,9 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--estimate", choices=["roofline", "benchmark"], default="roofline")
     parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
     parser.add_argument("--n-segments", type=int, default=2)
+    parser.add_argument(
+        "--backend", choices=["sac", "graph"], default="sac", help="how the plan will be applied (its recompute cost)"
+    )
     parser.add_argument("--json", default=None, help="also write the plan to this JSON file")
     parser.add_argument("--profile-json", default=None, help="also write the profile (for `report` figures)")
     parser.set_defaults(func=_plan_command)

@@ -26,7 +26,8 @@ class ModuleDecision:
     Attributes:
         discard_ratio: Fraction of the module's op memory the solver chose to discard, in ``[0, 1]``.
         op_policy: One decision per op of the module's ``ModuleOpStats``: 1 = save, 0 = recompute.
-        recompute_ms: Runtime of the recomputed ops, ms (what the policy costs in backward).
+        recompute_ms: Runtime of the ops one backward reruns under the policy on the plan's backend, ms
+            (:func:`lightning_sac.recompute.recompute_ms`).
         freed_bytes: Activation bytes the policy frees between the module's forward and its backward.
         op_names: The op each entry of ``op_policy`` is for (``"aten.mm.default"``...), in order, so that a
             policy applied at run time can tell when the module runs other ops than the profiled ones.
@@ -50,6 +51,8 @@ class Plan:
         sharding: ``"replicated"`` (DDP: whole parameters, gradients and optimizer state on each device) or
             ``"sharded"`` (FSDP: those divided by ``world_size``).
         device: Name of the target device.
+        backend: The backend the plan's recompute is predicted for, and :func:`~lightning_sac.apply_plan`'s
+            default: ``"sac"`` or ``"graph"``.
         predicted_peak_bytes: Peak of the step on one device with the plan, bytes.
         unconstrained_peak_bytes: Peak without any checkpointing, bytes.
         predicted_recompute_ms: Total recompute the plan adds to each step, ms.
@@ -65,6 +68,7 @@ class Plan:
     world_size: int = 1
     sharding: str = "replicated"
     device: str = ""
+    backend: str = "sac"
     predicted_peak_bytes: int = 0
     unconstrained_peak_bytes: int = 0
     predicted_recompute_ms: float = 0.0
@@ -112,7 +116,8 @@ class Plan:
             lines.append("(no module needs checkpointing)")
         lines.append("-" * len(lines[0]))
         lines.append(
-            f"{self.device}, budget {self.budget_gb:.2f} GiB, world size {self.world_size} ({self.sharding}): "
+            f"{self.device} ({self.backend} backend), budget {self.budget_gb:.2f} GiB, world size {self.world_size} "
+            f"({self.sharding}): "
             f"peak {self.predicted_peak_bytes / _GIB:.3f} GiB "
             f"(without plan {self.unconstrained_peak_bytes / _GIB:.3f}), "
             f"recompute {self.predicted_recompute_ms:.3f} ms of a {self.predicted_step_ms:.3f} ms step, "

@@ -17,6 +17,7 @@ import numpy as np
 import pwlf
 
 from lightning_sac.profiling.data import ModuleOpStats
+from lightning_sac.recompute import recompute_costs
 
 __all__ = ["ModuleTradeoff", "RecomputeUnit", "effective_memory", "module_tradeoff", "recompute_units"]
 
@@ -34,7 +35,7 @@ class RecomputeUnit:
     Attributes:
         ops: Op indices of the unit, sorted.
         memory: Bytes its outputs hold (see :func:`effective_memory`).
-        runtime: Its ops' runtime, ms.
+        runtime: What recomputing its ops costs, ms (:func:`~lightning_sac.recompute.recompute_costs`).
     """
 
     ops: tuple[int, ...]
@@ -53,7 +54,7 @@ class ModuleTradeoff:
 
     Attributes:
         total_memory: Sum of :func:`effective_memory`, bytes (the "100%" of discard ratios).
-        total_runtime: Sum of op runtimes, ms (the "100%" of recompute fractions).
+        total_runtime: Sum of the ops' recompute costs, ms (the "100%" of recompute fractions).
         stored: Units that must be saved (in-place on a storage from outside the module, random ops when
             forced, units holding no memory).
         order: Units in the order they are recomputed as more memory is discarded.
@@ -123,6 +124,7 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
     for a, b in itertools.pairwise(stats.rand_ops):
         parent[find(b)] = find(a)
     memory = effective_memory(stats)
+    costs = recompute_costs(stats)
     views = set(stats.view_like_ops)
     own_storage = {op for op, head in stats.inplace_ops if op == head}
     groups: dict[int, list[int]] = {}
@@ -132,7 +134,7 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
     candidates: list[RecomputeUnit] = []
     stored: list[RecomputeUnit] = []
     for ops in groups.values():
-        unit = RecomputeUnit(tuple(ops), sum(memory[i] for i in ops), sum(stats.runtimes[i] for i in ops))
+        unit = RecomputeUnit(tuple(ops), sum(memory[i] for i in ops), sum(costs[i] for i in ops))
         forced = bool(own_storage.intersection(ops)) or (
             stats.force_store_random and bool(set(stats.rand_ops) & set(ops))
         )
@@ -168,7 +170,7 @@ def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[floa
 def _compute_tradeoff(stats: ModuleOpStats, n_segments: int) -> ModuleTradeoff:
     candidates, stored = recompute_units(stats)
     total_memory = sum(effective_memory(stats))
-    total_runtime = float(sum(stats.runtimes))
+    total_runtime = float(sum(recompute_costs(stats)))
     order = sorted(candidates, key=lambda u: (-u.msps, u.ops[0]))
     result = ModuleTradeoff(total_memory=total_memory, total_runtime=total_runtime, stored=stored, order=order)
     if total_memory == 0 or not order:
@@ -203,7 +205,7 @@ def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff
         raise ValueError(f"n_segments must be at least 1, got {n_segments}.")
     # Identical blocks of a deep model have identical stats: they share one fit.
     key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
-    key += repr((stats.force_store_random, n_segments))
+    key += repr((stats.force_store_random, stats.recompute_stop, n_segments))
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()

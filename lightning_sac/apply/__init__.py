@@ -9,10 +9,9 @@ from torch import nn
 
 from lightning_sac.apply.sac import SelectiveCheckpointForward
 from lightning_sac.plan import Plan
+from lightning_sac.recompute import check_backend
 
 __all__ = ["PlanHandle", "apply_plan"]
-
-_BACKENDS = ("sac", "graph")
 
 
 @dataclass
@@ -45,7 +44,7 @@ class PlanHandle:
         self.remove()
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, backend: str = "sac") -> PlanHandle:
+def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> PlanHandle:
     """Checkpoint ``model``'s planned modules with the plan's per-op decisions; ``handle.remove()`` restores it.
 
     Each planned module's ``forward`` is wrapped in place, so parameters, module names and ``state_dict`` keys
@@ -57,14 +56,15 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str = "sac") -> PlanHan
         model: The model the plan was made for.
         plan: The plan.
         backend: ``"sac"`` (``torch.utils.checkpoint`` with selective policies) or ``"graph"``
-            (:mod:`lightning_sac.graph_ac`, graph-based recomputation).
+            (:mod:`lightning_sac.graph_ac`, graph-based recomputation); default the plan's ``backend``, the one
+            its predicted recompute is for. Another one frees the same memory at another recompute cost.
 
     Raises:
         ValueError: Unknown backend, or a planned module the model does not have.
         RuntimeError: A planned module's forward is already wrapped (the plan is applied already).
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
+    backend = plan.backend if backend is None else backend
+    check_backend(backend)
     modules = dict(model.named_modules())
     missing = [fqn for fqn in plan.decisions if fqn not in modules]
     if missing:

@@ -75,6 +75,14 @@ class ModuleOpStats:
             outside the module.
         force_store_random: Whether random ops must be stored rather than recomputed: true when the module
             received no tensor inputs, so that its random ops cannot be tied to a replayed input.
+        op_inputs: Per op, the indices of this module's ops whose output tensors it reads (the graph edges;
+            tensors from outside the module have none). Ops SAC ignores pass their inputs' makers through.
+        packed_ops: Indices of ops any output tensor of which autograd saved during the module's forward: what
+            a backward through the module unpacks.
+        mutated_later: Indices of ops whose output storage a later in-place op of the module writes to.
+        recompute_stop: How many of the module's ops had run when autograd saved its last tensor in the
+            module's forward. A checkpoint's recompute stops there; ``None`` (a profile from an older version)
+            means unknown: all ops.
     """
 
     func_names: list[str] = field(default_factory=list)
@@ -85,6 +93,10 @@ class ModuleOpStats:
     saved_autograd_ops: list[int] = field(default_factory=list)
     inplace_ops: list[tuple[int, int]] = field(default_factory=list)
     force_store_random: bool = False
+    op_inputs: list[list[int]] = field(default_factory=list)
+    packed_ops: list[int] = field(default_factory=list)
+    mutated_later: list[int] = field(default_factory=list)
+    recompute_stop: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:

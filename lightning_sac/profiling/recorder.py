@@ -26,8 +26,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
-from lightning_sac.profiling.data import MemorySnapshot, ModuleOpStats, ModuleProfile, TimelineEvent
+from lightning_sac.profiling.data import MemorySnapshot, ModuleProfile, TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
+from lightning_sac.profiling.op_graph import OpGraph, OpRecord
 from lightning_sac.profiling.ops import (
     flat_tensors,
     is_inplace,
@@ -47,17 +48,6 @@ _NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "opti
 
 
 @dataclass
-class _Op:
-    name: str
-    ms: float
-    new_bytes: int
-    view_like: bool
-    rand: bool
-    inplace_parent: int | None  # global index of the op that created the mutated storage; -1: from outside
-    outputs: tuple[tuple[int, int], ...]  # (storage id, serial) of each output
-
-
-@dataclass
 class _GradEvents:
     produced_by: list[str] = field(default_factory=list)  # modules that returned the tensor
     # (fqn, countdown) of the modules it was an input to
@@ -70,6 +60,8 @@ class _ModuleState:
     n_inputs: int = 0
     op_start: int = 0
     op_end: int = 0
+    pack_start: int = 0
+    pack_end: int = 0
     fwd_start_ms: float = 0.0
     fwd_watch: PeakWatch | None = None
     bwd_start_ms: float | None = None
@@ -106,7 +98,7 @@ class StepRecorder(TorchDispatchMode):
         self.cum_ms = 0.0
         self._phase_start_ms = 0.0
         self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        self.ops: list[_Op] = []
+        self.graph = OpGraph()
         self.orders: dict[str, list[str]] = {k: [] for k in ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")}
         self._stack: list[str] = []
         self.timeline: list[TimelineEvent] = []
@@ -193,6 +185,7 @@ class StepRecorder(TorchDispatchMode):
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
             self._saved.add(self._key(x.untyped_storage()))
+            self.graph.pack(x)
         return x
 
     def _location(self) -> str:
@@ -224,7 +217,8 @@ class StepRecorder(TorchDispatchMode):
             st.force_store_random = not inputs
             st.snapshots["pre_forward"] = self.memory.snapshot()
             st.fwd_watch = self.memory.open_watch()
-            st.op_start = len(self.ops)
+            st.op_start = len(self.graph.ops)
+            st.pack_start = len(self.graph.packs)
             # Backward of this module is over once autograd has the gradients of its inputs, or, when no
             # input needs one (token ids), of its parameters.
             targets = [t for t in inputs if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
@@ -245,7 +239,8 @@ class StepRecorder(TorchDispatchMode):
             st.snapshots["post_forward"] = self.memory.snapshot()
             st.snapshots["peak_forward"] = st.fwd_watch.peak_snapshot
             self.memory.close_watch(st.fwd_watch)
-            st.op_end = len(self.ops)
+            st.op_end = len(self.graph.ops)
+            st.pack_end = len(self.graph.packs)
             for t in outputs:
                 if t.requires_grad:
                     self._grad_events(t).produced_by.append(fqn)
@@ -360,47 +355,32 @@ class StepRecorder(TorchDispatchMode):
             added = not self.memory.is_live(st)
             new_bytes += self._track(st, category)
             if added:
-                self._producer[id(st)] = len(self.ops)
+                self._producer[id(st)] = len(self.graph.ops)
             keys.append(self._key(st))
         if self.workspace is not None:
             self.memory.transient(self.workspace(func, args, kwargs))
-        if self.phase == "forward" and not is_sac_ignored(func):
+        if self.phase == "forward" and is_sac_ignored(func):
+            self.graph.pass_through(inputs, outputs)
+        elif self.phase == "forward":
             parent = None
             if inplace:
                 mutated = mutated_tensors(func, args, kwargs)
                 parent = self._producer.get(id(mutated[0].untyped_storage()), -1) if mutated else -1
-            self.ops.append(
-                _Op(
-                    name=op_name(func),
-                    ms=ms,
-                    new_bytes=new_bytes,
-                    view_like=view_like,
-                    rand=is_random(func, args, kwargs),
-                    inplace_parent=parent,
-                    outputs=tuple(keys),
-                )
+            record = OpRecord(
+                name=op_name(func),
+                ms=ms,
+                new_bytes=new_bytes,
+                view_like=view_like,
+                rand=is_random(func, args, kwargs),
+                inplace_parent=parent,
+                outputs=tuple(keys),
+                inputs=self.graph.makers(inputs),
+                storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),
             )
+            self.graph.append(record, outputs)
         return out
 
     # ----------------------------------------------------------------- results
-    def _op_stats(self, st: _ModuleState) -> ModuleOpStats:
-        ops = self.ops[st.op_start : st.op_end]
-        stats = ModuleOpStats(force_store_random=st.force_store_random)
-        for i, op in enumerate(ops):
-            stats.func_names.append(op.name)
-            stats.runtimes.append(op.ms)
-            stats.memory.append(op.new_bytes)
-            if op.view_like:
-                stats.view_like_ops.append(i)
-            if op.rand:
-                stats.rand_ops.append(i)
-            if op.outputs and all(k in self._saved for k in op.outputs):
-                stats.saved_autograd_ops.append(i)
-            if op.inplace_parent is not None:
-                parent = op.inplace_parent - st.op_start
-                stats.inplace_ops.append((i, parent if 0 <= parent < i else i))
-        return stats
-
     def modules(self) -> dict[str, ModuleProfile]:
         """Per-module profiles, in forward pre-order, with snapshots and (non-leaf) op stats filled in."""
         out: dict[str, ModuleProfile] = {}
@@ -411,6 +391,8 @@ class StepRecorder(TorchDispatchMode):
             for phase, snap in st.snapshots.items():
                 st.profile.memory[phase] = snap
             if not st.profile.is_leaf and st.profile.calls:
-                st.profile.op_stats = self._op_stats(st)
+                st.profile.op_stats = self.graph.module_stats(
+                    (st.op_start, st.op_end), (st.pack_start, st.pack_end), self._saved, st.force_store_random
+                )
             out[fqn] = st.profile
         return out

@@ -7,6 +7,7 @@ import math
 import highspy
 
 from lightning_sac.profiling.data import ModuleOpStats
+from lightning_sac.recompute import recompute_costs
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.tradeoff import effective_memory, module_tradeoff, recompute_units
 
@@ -66,7 +67,8 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
             h.addConstr(x[i] == SAVE)
     h.addConstr(h.qsum(memory[i] * x[i] for i in range(n)) <= capacity)
     # Ties (e.g. free ops) go to saving: a tiny reward per saved op keeps the answer unique and stable.
-    h.maximize(h.qsum((stats.runtimes[i] + 1e-9) * x[i] for i in range(n)))
+    costs = recompute_costs(stats)
+    h.maximize(h.qsum((costs[i] + 1e-9) * x[i] for i in range(n)))
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         raise ValueError(

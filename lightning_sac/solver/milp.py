@@ -14,6 +14,7 @@ import highspy
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
 from lightning_sac.profiling.data import ModelProfile, ModuleProfile
+from lightning_sac.recompute import check_backend, recompute_ms
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.memory_model import (
@@ -175,6 +176,7 @@ def solve_plan(
     n_segments: int = 2,
     time_limit_s: float = 30.0,
     mip_gap: float = 1e-2,
+    backend: str = "sac",
 ) -> Plan:
     """Choose the modules to checkpoint and the share of each one's activations to discard.
 
@@ -194,12 +196,17 @@ def solve_plan(
         time_limit_s: HiGHS time limit.
         mip_gap: HiGHS relative gap. 1% is well below the error of the trade-off fits, and proving the last
             0.1% among near-identical blocks can take HiGHS tens of seconds on a 32-block model.
+        backend: How the plan will be applied, ``"sac"`` or ``"graph"`` (:func:`~lightning_sac.apply_plan`).
+            Memory is the same for both; the predicted recompute counts what that backend reruns
+            (:mod:`lightning_sac.recompute`). The choice itself optimizes the ``"sac"`` cost, an upper bound
+            of the graph backend's.
 
     Raises:
         BudgetError: The budget is below the minimum achievable peak.
-        ValueError: Invalid ``world_size``, ``sharding`` or ``budget_gb``.
+        ValueError: Invalid ``world_size``, ``sharding``, ``budget_gb`` or ``backend``.
     """
     start = time.perf_counter()
+    check_backend(backend)
     if sharding not in ("replicated", "sharded"):
         raise ValueError(f"sharding must be 'replicated' or 'sharded', got {sharding!r}.")
     if world_size < 1:
@@ -216,6 +223,7 @@ def solve_plan(
         world_size=world_size,
         sharding=sharding,
         device=profile.device.name,
+        backend=backend,
         unconstrained_peak_bytes=unconstrained,
         predicted_peak_bytes=unconstrained,
         predicted_step_ms=profile.step_ms,
@@ -264,7 +272,7 @@ def solve_plan(
         plan.decisions[fqn] = ModuleDecision(
             discard_ratio=discard,
             op_policy=policy,
-            recompute_ms=sum(t for t, keep in zip(stats.runtimes, policy, strict=True) if not keep),
+            recompute_ms=recompute_ms(stats, policy, backend),
             freed_bytes=c.retained - saved,
             op_names=list(stats.func_names),
         )

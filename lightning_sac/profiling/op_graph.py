@@ -1,0 +1,112 @@
+"""The forward's ops as a graph: which op made each tensor an op reads, and which tensors autograd saved.
+
+The recorder appends every forward op here once. Besides what the op costs, it keeps the edges to the ops
+that made its inputs and, for every tensor autograd packs, the op that made it and how many ops had run. From
+these a module's :class:`ModuleOpStats` tells not only what a policy saves but what backward will really
+recompute: selective checkpointing stops recomputing after the last tensor backward needs, and graph
+checkpointing recomputes only the ancestors of what backward unpacks (see :mod:`lightning_sac.recompute`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_sac.profiling.data import ModuleOpStats
+
+__all__ = ["OpGraph", "OpRecord"]
+
+
+@dataclass
+class OpRecord:
+    """One forward op as recorded, with global indices into :attr:`OpGraph.ops`."""
+
+    name: str
+    ms: float
+    new_bytes: int
+    view_like: bool
+    rand: bool
+    inplace_parent: int | None  # the op that created the mutated storage; -1: from outside the step
+    outputs: tuple[tuple[int, int], ...]  # (storage id, serial) of each output, to match saved storages
+    inputs: tuple[int, ...]  # the ops whose output tensors this op reads
+    storage_roots: tuple[int, ...]  # per output, the op that created its storage; -1: from outside
+
+
+class OpGraph:
+    """Forward ops, the tensors' makers, and autograd's packs, for one recorded step."""
+
+    def __init__(self) -> None:
+        self.ops: list[OpRecord] = []
+        # (ops run when autograd packed a tensor, the ops that made it). An op's inputs are packed before
+        # it runs and its outputs after, so the count says exactly which ops a recompute must have run.
+        self.packs: list[tuple[int, tuple[int, ...]]] = []
+        self._made_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ops that last wrote it
+
+    def makers(self, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+        """The recorded ops whose outputs are among ``tensors`` (tensors from outside have none)."""
+        return tuple(sorted({i for t in tensors for i in self._made_by.get(t, ())}))
+
+    def pass_through(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """An op SAC ignores (``detach``...): its outputs are made by whatever made its inputs."""
+        made = self.makers(inputs)
+        for t in outputs:
+            self._made_by[t] = made
+
+    def append(self, record: OpRecord, outputs: list[torch.Tensor]) -> None:
+        """Record an op; it becomes the maker of its outputs (of a mutated tensor too: it wrote last)."""
+        index = len(self.ops)
+        self.ops.append(record)
+        for t in outputs:
+            self._made_by[t] = (index,)
+
+    def pack(self, tensor: torch.Tensor) -> None:
+        """Autograd saved ``tensor`` for backward."""
+        self.packs.append((len(self.ops), self.makers([tensor])))
+
+    def module_stats(
+        self,
+        op_range: tuple[int, int],
+        pack_range: tuple[int, int],
+        saved: set[tuple[int, int]],
+        force_store_random: bool,
+    ) -> ModuleOpStats:
+        """The op stats of one module call.
+
+        Args:
+            op_range: The call's ops, ``[start, end)`` in :attr:`ops`.
+            pack_range: The packs made during the call, ``[start, end)`` in :attr:`packs`.
+            saved: Keys of every storage autograd saved during the step's forward.
+            force_store_random: Whether the module received no tensor inputs.
+        """
+        start, end = op_range
+        ops = self.ops[start:end]
+        stats = ModuleOpStats(force_store_random=force_store_random)
+
+        def local(i: int) -> int | None:
+            return i - start if start <= i < end else None
+
+        for i, op in enumerate(ops):
+            stats.func_names.append(op.name)
+            stats.runtimes.append(op.ms)
+            stats.memory.append(op.new_bytes)
+            if op.view_like:
+                stats.view_like_ops.append(i)
+            if op.rand:
+                stats.rand_ops.append(i)
+            if op.outputs and all(k in saved for k in op.outputs):
+                stats.saved_autograd_ops.append(i)
+            if op.inplace_parent is not None:
+                parent = op.inplace_parent - start
+                stats.inplace_ops.append((i, parent if 0 <= parent < i else i))
+            stats.op_inputs.append(sorted({j for j in map(local, op.inputs) if j is not None and j < i}))
+        # A saved output that a later op of the module writes in place no longer holds what its op made.
+        for i, op in enumerate(ops):
+            roots = {r for r in op.storage_roots if r >= 0}
+            if any(later.inplace_parent in roots for later in ops[i + 1 :]):
+                stats.mutated_later.append(i)
+        packs = self.packs[pack_range[0] : pack_range[1]]
+        stats.packed_ops = sorted({j for _, made in packs for j in map(local, made) if j is not None})
+        stats.recompute_stop = min(max((count - start for count, _ in packs), default=0), len(ops))
+        return stats

@@ -1,0 +1,75 @@
+"""What backward really recomputes under a policy, per backend, from a module's op graph.
+
+A policy marks ops to recompute, but neither backend reruns all of them:
+
+* ``"sac"``: ``torch.utils.checkpoint`` reruns the module's forward in order, serving saved ops from its
+  cache, and stops (early stop, on by default) as soon as autograd has packed the last tensor the forward had
+  packed. Ops after that point never rerun, whatever the policy says.
+* ``"graph"``: :mod:`lightning_sac.graph_ac` realizes only what backward unpacks, recursing through missing
+  ancestors; an op whose output neither backward nor a recomputed descendant reads is never rerun. A saved op
+  whose storage a later in-place op of the module overwrote counts as missing, as it does at run time.
+
+Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops``, ``op_inputs``,
+``mutated_later``). For a profile without them (an older version's), every op the policy recomputes counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_sac.profiling.data import ModuleOpStats
+
+__all__ = ["BACKENDS", "check_backend", "recompute_costs", "recompute_ms", "recomputed_ops"]
+
+#: The ways a plan can be applied (see :func:`lightning_sac.apply_plan`).
+BACKENDS: tuple[str, ...] = ("sac", "graph")
+
+
+def check_backend(backend: str) -> None:
+    """Raise a ``ValueError`` naming the choices when ``backend`` is not one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+
+
+def recompute_costs(stats: ModuleOpStats) -> list[float]:
+    """What recomputing each op costs the ``"sac"`` backend, ms: its runtime, or 0 past the early stop.
+
+    The cost is additive over ops, so the trade-off curves and the op knapsack use it as is. It bounds the
+    graph backend's cost from above: everything graph recomputes precedes the last pack.
+    """
+    stop = len(stats.runtimes) if stats.recompute_stop is None else stats.recompute_stop
+    return [t if i < stop else 0.0 for i, t in enumerate(stats.runtimes)]
+
+
+def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> list[int]:
+    """Indices of the ops one backward reruns when the module runs under ``policy`` (1 = save, 0 = recompute).
+
+    Raises:
+        ValueError: ``policy`` does not have one entry per op, or an unknown ``backend``.
+    """
+    check_backend(backend)
+    n = len(stats.func_names)
+    if len(policy) != n:
+        raise ValueError(f"The policy has {len(policy)} decisions for a module of {n} ops; it must have one per op.")
+    if stats.recompute_stop is None:
+        return [i for i in range(n) if not policy[i]]
+    if backend == "sac":
+        return [i for i in range(stats.recompute_stop) if not policy[i]]
+    # An op that writes in place to a tensor from outside the module is always kept (running it twice would
+    # write twice), and a kept op later overwritten in place is missing again.
+    kept = {i for i in range(n) if policy[i]} | {i for i, parent in stats.inplace_ops if parent == i}
+    fresh = kept - set(stats.mutated_later)
+    rerun: set[int] = set()
+    todo = [i for i in stats.packed_ops if i not in fresh]
+    while todo:
+        i = todo.pop()
+        if i in rerun:
+            continue
+        rerun.add(i)
+        todo.extend(j for j in stats.op_inputs[i] if j not in fresh and j not in rerun)
+    return sorted(rerun)
+
+
+def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:
+    """Runtime of :func:`recomputed_ops`, ms: what the policy adds to one backward on ``backend``."""
+    return sum(stats.runtimes[i] for i in recomputed_ops(stats, policy, backend))

@@ -1,0 +1,181 @@
+"""What backward really recomputes: predicted from the profile's op graph, and counted in real CPU steps."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+from conftest import CASES, Case, adamw
+from test_op_stats import _stats
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
+from lightning_sac.apply import apply_plan
+from lightning_sac.graph_ac import _graph
+from lightning_sac.profiling.ops import is_sac_ignored, op_name
+from lightning_sac.profiling.step import default_loss
+from lightning_sac.recompute import recompute_costs, recompute_ms, recomputed_ops
+from lightning_sac.solver.milp import find_candidates
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- by hand
+# Body's ops (see test_op_stats): 0 t, 1 addmm, 2 add, 3 mul_ (on 2), 4 empty_like, 5 bernoulli_ (on 4),
+# 6 div_ (on 4), 7 mul (3 * 6), 8 view, 9 tanh. Autograd saves div_'s output (dropout's mask, for mul's
+# backward) and tanh's output; x needs no grad, so addmm saves only x, from outside.
+def test_op_graph_of_a_module_by_hand():
+    _, s = _stats()
+    assert s.op_inputs == [[], [0], [1], [2], [3], [4], [5], [3, 6], [7], [8]]
+    assert s.packed_ops == [6, 9]
+    assert s.mutated_later == [2, 4, 5]  # add by mul_, empty_like's storage by bernoulli_ and div_
+    assert s.recompute_stop == 10  # tanh's output is packed after tanh ran
+
+
+def _policy(saved: set[int]) -> list[int]:
+    return [int(i in saved) for i in range(10)]
+
+
+@pytest.mark.parametrize(
+    ("saved", "sac", "graph"),
+    [
+        # Nothing saved: both rerun everything backward needs, which here is every op.
+        (set(), list(range(10)), list(range(10))),
+        # The mask saved: graph needs nothing of dropout's chain, SAC reruns it all but div_.
+        ({6}, [0, 1, 2, 3, 4, 5, 7, 8, 9], [0, 1, 2, 3, 7, 8, 9]),
+        # mul saved: tanh's input chain stops there for graph; SAC still reruns every op before tanh.
+        ({6, 7}, [0, 1, 2, 3, 4, 5, 8, 9], [8, 9]),
+        # add saved but overwritten by mul_ later: graph must recompute it anyway, SAC serves its cache.
+        ({2}, [0, 1, 3, 4, 5, 6, 7, 8, 9], list(range(10))),
+    ],
+)
+def test_recomputed_ops_by_hand(saved, sac, graph):
+    _, s = _stats()
+    assert recomputed_ops(s, _policy(saved), "sac") == sac
+    assert recomputed_ops(s, _policy(saved), "graph") == graph
+    assert recompute_ms(s, _policy(saved), "graph") == pytest.approx(sum(s.runtimes[i] for i in graph), abs=0)
+
+
+def test_early_stop_makes_ops_after_the_last_pack_free():
+    _, s = _stats()
+    s.recompute_stop = 7  # as if tanh's and mul's saves were gone: the recompute ends after div_
+    assert recomputed_ops(s, _policy(set()), "sac") == list(range(7))
+    assert recompute_costs(s) == [*s.runtimes[:7], 0.0, 0.0, 0.0]
+    s.recompute_stop = None  # an older profile: every op the policy recomputes counts
+    assert recomputed_ops(s, _policy({6}), "sac") == [0, 1, 2, 3, 4, 5, 7, 8, 9]
+
+
+def test_bad_policy_length_and_backend():
+    _, s = _stats()
+    with pytest.raises(ValueError, match="one per op"):
+        recomputed_ops(s, [0, 1])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        recomputed_ops(s, _policy(set()), "reentrant")
+
+
+# ----------------------------------------------------------------------------- counted in real steps
+_PROFILES: dict[str, tuple[Case, ModelProfile]] = {}
+
+
+def _case(name: str) -> tuple[Case, ModelProfile]:
+    if name not in _PROFILES:
+        case = CASES[name]()
+        profile = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="cpu")
+        _PROFILES[name] = (case, profile)
+    return _PROFILES[name]
+
+
+def _plan(kind: str, profile: ModelProfile) -> Plan:
+    if kind == "tight":
+        with pytest.raises(BudgetError) as info:
+            solve_plan(profile, 1e-6)
+        return solve_plan(profile, info.value.minimum_bytes * 1.02 / GIB)
+    cands = [c.fqn for c in find_candidates(profile) if c.fqn]
+    top = [f for f in cands if not any(f.startswith(o + ".") for o in cands if o != f)]
+    decisions = {}
+    for fqn in top:
+        names = profile.modules[fqn].op_stats.func_names
+        decisions[fqn] = ModuleDecision(
+            discard_ratio=1.0, op_policy=[0] * len(names), recompute_ms=0.0, freed_bytes=0, op_names=list(names)
+        )
+    return Plan(decisions=decisions, budget_bytes=0)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops SAC asks its policy about (SAC-ignored ones left out, as in the profile)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.names = names
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not is_sac_ignored(func):
+            self.names.append(op_name(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model: nn.Module, case: Case) -> None:
+    torch.manual_seed(1)
+    (case.loss_fn or default_loss)(model(*case.inputs)).backward()
+
+
+@pytest.mark.parametrize("kind", ["recompute-all", "tight"])
+@pytest.mark.parametrize("name", ["gpt", "mlp", "conv"])
+def test_sac_recompute_stops_where_the_profile_says(name, kind):
+    case, profile = _case(name)
+    plan = _plan(kind, profile)
+    handle = apply_plan(case.model, plan, backend="sac")
+    rerun: dict[str, list[str]] = {}
+    for fqn, wrapper in handle.wrappers.items():
+        inner, calls = wrapper.inner, [0]
+
+        def counted(*args: Any, _fqn: str = fqn, _inner: Any = inner, _calls: list[int] = calls, **kw: Any) -> Any:
+            _calls[0] += 1
+            if _calls[0] == 1:  # the forward; the second call is the recompute in backward
+                return _inner(*args, **kw)
+            with _Ops(rerun.setdefault(_fqn, [])):
+                return _inner(*args, **kw)
+
+        wrapper.inner = counted
+    try:
+        _step(case.model, case)
+    finally:
+        handle.remove()
+    assert set(rerun) == set(plan.decisions)
+    for fqn, names in rerun.items():
+        stats = profile.modules[fqn].op_stats
+        assert stats.recompute_stop is not None and stats.recompute_stop <= len(stats.func_names)
+        # The recompute ran exactly the profiled ops up to the early stop, in order.
+        assert names == stats.func_names[: stats.recompute_stop], fqn
+
+
+@pytest.mark.parametrize("kind", ["recompute-all", "tight"])
+@pytest.mark.parametrize("name", ["gpt", "mlp", "conv"])
+def test_graph_recomputes_exactly_the_predicted_ops(name, kind, monkeypatch):
+    case, profile = _case(name)
+    plan = _plan(kind, profile)
+    computed: list[str] = []
+    graph = _graph()
+    compute = graph._compute
+
+    def logged(node: Any) -> Any:
+        if not is_sac_ignored(node.func):
+            computed.append(op_name(node.func))
+        return compute(node)
+
+    monkeypatch.setattr(graph, "_compute", logged)
+    with apply_plan(case.model, plan, backend="graph"):
+        _step(case.model, case)
+    predicted = collections.Counter(
+        profile.modules[fqn].op_stats.func_names[i]
+        for fqn, d in plan.decisions.items()
+        for i in recomputed_ops(profile.modules[fqn].op_stats, d.op_policy, "graph")
+    )
+    assert collections.Counter(computed) == predicted
+    # Graph reruns a subset of what SAC reruns under the same policy (staleness aside, absent here).
+    for fqn, d in plan.decisions.items():
+        stats = profile.modules[fqn].op_stats
+        assert set(recomputed_ops(stats, d.op_policy, "graph")) <= set(recomputed_ops(stats, d.op_policy, "sac"))

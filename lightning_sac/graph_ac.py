@@ -16,6 +16,7 @@ error, and a policy may answer with a bool (``True`` = ``MUST_SAVE``, ``False`` 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +25,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.apply.planned import CallState, PlannedForward
 from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors
@@ -119,20 +119,49 @@ class _Ref:
     index: int
 
 
+_CONTAINERS = (tuple, list, dict)
+
+
 def _map(x: Any, fn: Callable[[Any], Any]) -> Any:
+    # Called on every op's arguments: recurse only into containers, most arguments are tensors or scalars.
     if isinstance(x, (tuple, list)):
-        return type(x)(_map(v, fn) for v in x)
+        return type(x)([_map(v, fn) if isinstance(v, _CONTAINERS) else fn(v) for v in x])
     if isinstance(x, dict):
-        return {k: _map(v, fn) for k, v in x.items()}
+        return {k: _map(v, fn) if isinstance(v, _CONTAINERS) else fn(v) for k, v in x.items()}
     return fn(x)
 
 
 def _leaves(x: Any) -> list[Any]:
     if isinstance(x, (tuple, list)):
-        return [leaf for v in x for leaf in _leaves(v)]
+        return [leaf for v in x for leaf in (_leaves(v) if isinstance(v, _CONTAINERS) else (v,))]
     if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
+        return [leaf for v in x.values() for leaf in (_leaves(v) if isinstance(v, _CONTAINERS) else (v,))]
     return [x]
+
+
+class _Refs:
+    """Tensor -> the :class:`_Ref` of the op that last wrote it, holding no tensor alive.
+
+    A plain dict by ``id`` with a weak reference to check identity: every recorded op looks up each of its
+    arguments, and ``WeakIdKeyDictionary`` costs several times more per lookup. Entries of dead tensors stay
+    until the outermost region ends, when the whole table is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._table: dict[int, tuple[weakref.ref[torch.Tensor], _Ref]] = {}
+
+    def get(self, tensor: torch.Tensor) -> _Ref | None:
+        entry = self._table.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def __getitem__(self, tensor: torch.Tensor) -> _Ref:
+        ref = self.get(tensor)
+        if ref is None:
+            raise KeyError("this tensor was not made by an op recorded in the current graph_ac region")
+        return ref
+
+    def __setitem__(self, tensor: torch.Tensor, ref: _Ref) -> None:
+        self._table[id(tensor)] = (weakref.ref(tensor), ref)
 
 
 class _Graph:
@@ -140,7 +169,7 @@ class _Graph:
 
     def __init__(self) -> None:
         self.policies: list[tuple[PolicyFn, list[int]]] = []  # (policy, [op counter of its region])
-        self.refs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> _Ref of the op that last wrote it
+        self.refs = _Refs()  # tensor -> _Ref of the op that last wrote it
         self.mode: _RecordMode | None = None
         self.hooks: Any = None
         self.recomputes = 0  # op calls made by recompute, for tests and diagnostics
@@ -163,21 +192,17 @@ class _Graph:
         rng = _rng_state(args, kwargs) if is_random(func, args, kwargs) else None
         out = func(*args, **kwargs)
         written = {id(t) for t in mutated_tensors(func, args, kwargs)}
-        flat_args = _leaves((args, kwargs))
+        flat_args = _leaves((args, kwargs)) if written else []
         mutates = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor) and id(a) in written]
-
-        def ref_of(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            ref = self.refs.get(x)
-            return ref if ref is not None else _Leaf(x)
 
         for i in mutates:
             for earlier in self.saved_on.get(id(flat_args[i].untyped_storage()), []):
                 earlier.stale = True
-        node = _Node(func, _map(args, ref_of), _map(kwargs, ref_of), mutates, rng)
+        node = _Node(func, _map(args, self._ref_of), _map(kwargs, self._ref_of), mutates, rng)
         # An op writing to a tensor from outside the region (BatchNorm's running stats) must not run twice.
-        node.recomputable = not any(isinstance(_leaves((node.args, node.kwargs))[i], _Leaf) for i in mutates)
+        if mutates:
+            refs = _leaves((node.args, node.kwargs))
+            node.recomputable = not any(isinstance(refs[i], _Leaf) for i in mutates)
         outputs = [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
         if decision in _SAVE or not node.recomputable:
             node.saved = [None if o is None else o.detach() for o in outputs]
@@ -188,6 +213,12 @@ class _Graph:
             if o is not None:
                 self.refs[o] = _Ref(node, i)
         return out
+
+    def _ref_of(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        ref = self.refs.get(x)
+        return ref if ref is not None else _Leaf(x)
 
     # ------------------------------------------------------------------ packing
     def _acquire(self, node: _Node) -> None:
@@ -290,7 +321,7 @@ class _Graph:
             self.mode.__exit__(None, None, None)
             self.hooks.__exit__(None, None, None)
             self.mode = None
-            self.refs = WeakIdKeyDictionary()
+            self.refs = _Refs()
             # From here on, version counters tell whether code after the region mutates a saved output.
             for nodes in self.saved_on.values():
                 for node in nodes:

@@ -29,6 +29,8 @@ class ModuleDecision:
         recompute_ms: Runtime of the ops one backward reruns under the policy on the plan's backend, ms
             (:func:`lightning_sac.recompute.recompute_ms`).
         freed_bytes: Activation bytes the policy frees between the module's forward and its backward.
+        overhead_ms: Host time the backend's dispatch mode adds to the step for this module, ms (0 unless
+            the profile measured it, see :attr:`ModelProfile.backend_overhead_us`).
         op_names: The op each entry of ``op_policy`` is for (``"aten.mm.default"``...), in order, so that a
             policy applied at run time can tell when the module runs other ops than the profiled ones.
     """
@@ -38,6 +40,7 @@ class ModuleDecision:
     recompute_ms: float
     freed_bytes: int
     op_names: list[str] = field(default_factory=list)
+    overhead_ms: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -56,7 +59,8 @@ class Plan:
         predicted_peak_bytes: Peak of the step on one device with the plan, bytes.
         unconstrained_peak_bytes: Peak without any checkpointing, bytes.
         predicted_recompute_ms: Total recompute the plan adds to each step, ms.
-        predicted_step_ms: Estimated step time with the plan, ms.
+        predicted_overhead_ms: Total host time the backend adds to each step besides recompute, ms.
+        predicted_step_ms: Estimated step time with the plan, ms: the profile's, recompute and overhead.
         solver_status: HiGHS's model status (``"Optimal"``, or ``"Not needed"`` when the budget is slack).
         solver_gap: Relative MIP gap of the solution.
         solver_seconds: Wall time of the solve, including trade-off fits and op policies.
@@ -72,6 +76,7 @@ class Plan:
     predicted_peak_bytes: int = 0
     unconstrained_peak_bytes: int = 0
     predicted_recompute_ms: float = 0.0
+    predicted_overhead_ms: float = 0.0
     predicted_step_ms: float = 0.0
     solver_status: str = ""
     solver_gap: float = 0.0
@@ -120,7 +125,8 @@ class Plan:
             f"({self.sharding}): "
             f"peak {self.predicted_peak_bytes / _GIB:.3f} GiB "
             f"(without plan {self.unconstrained_peak_bytes / _GIB:.3f}), "
-            f"recompute {self.predicted_recompute_ms:.3f} ms of a {self.predicted_step_ms:.3f} ms step, "
+            f"recompute {self.predicted_recompute_ms:.3f} ms + overhead {self.predicted_overhead_ms:.3f} ms of a "
+            f"{self.predicted_step_ms:.3f} ms step, "
             f"solved in {self.solver_seconds:.2f} s ({self.solver_status}, gap {self.solver_gap:.2%})"
         )
         return "\n".join(lines)

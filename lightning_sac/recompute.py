@@ -19,7 +19,15 @@ from collections.abc import Sequence
 
 from lightning_sac.profiling.data import ModuleOpStats
 
-__all__ = ["BACKENDS", "check_backend", "recompute_costs", "recompute_ms", "recomputed_ops"]
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "fixed_overhead_ms",
+    "overhead_ms",
+    "recompute_costs",
+    "recompute_ms",
+    "recomputed_ops",
+]
 
 #: The ways a plan can be applied (see :func:`lightning_sac.apply_plan`).
 BACKENDS: tuple[str, ...] = ("sac", "graph")
@@ -73,3 +81,27 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
 def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:
     """Runtime of :func:`recomputed_ops`, ms: what the policy adds to one backward on ``backend``."""
     return sum(stats.runtimes[i] for i in recomputed_ops(stats, policy, backend))
+
+
+def fixed_overhead_ms(stats: ModuleOpStats, backend: str, per_op_us: Sequence[float]) -> float:
+    """The backend's host time for wrapping the module whatever its policy, ms.
+
+    ``per_op_us`` is ``[forward_us, rerun_us]`` from :attr:`ModelProfile.backend_overhead_us`. Every op of the
+    forward pays ``forward_us``; SAC also reruns every op up to its early stop.
+    """
+    check_backend(backend)
+    forward_us, rerun_us = per_op_us
+    n = len(stats.func_names)
+    stop = n if stats.recompute_stop is None else stats.recompute_stop
+    return (n * forward_us + (stop * rerun_us if backend == "sac" else 0.0)) / 1e3
+
+
+def overhead_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str, per_op_us: Sequence[float]) -> float:
+    """The backend's host time for the module under ``policy``, ms.
+
+    That is :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
+    """
+    fixed = fixed_overhead_ms(stats, backend, per_op_us)
+    if backend == "sac":
+        return fixed
+    return fixed + len(recomputed_ops(stats, policy, backend)) * per_op_us[1] / 1e3

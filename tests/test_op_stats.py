@@ -129,3 +129,27 @@ def test_benchmark_estimate_times_real_ops_on_this_cpu():
     # Two 256x512x2048 matmuls of 0.5 GFLOP each: far slower than the ReLU over 0.5M elements on any CPU.
     assert len(mm) == 2 and all(t > relu > 0 for t in mm)
     assert p.estimate == "benchmark" and p.backward_ms > 0
+
+
+def test_benchmark_times_ops_through_their_out_overload_with_the_same_outputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_sac.profiling.runtime import _out_variant
+
+    aten = torch.ops.aten
+    with FakeTensorMode():
+        x, w, b = torch.empty(8, 16), torch.empty(16), torch.empty(16)
+        outs = [aten.add.Tensor(x, x), aten.mul.Scalar(x, 2.0), aten.native_layer_norm.default(x, [16], w, b, 1e-5)]
+        softmax = aten._safe_softmax.default(x, -1)
+    # Called as the estimator calls it, with fake mode off.
+    add = _out_variant(aten.add.Tensor, outs[0])
+    mul = _out_variant(aten.mul.Scalar, outs[1])
+    norm = _out_variant(aten.native_layer_norm.default, outs[2])
+    assert add is not None and add[0] is aten.add.out and list(add[1]) == ["out"]
+    assert mul is not None and mul[0] is aten.mul.Scalar_out  # the overload taking a Scalar, not add.out's Tensor
+    assert norm is not None and list(norm[1]) == ["out0", "out1", "out2"]
+    # Real tensors of the outputs' shapes, to be written into on every repeat.
+    assert [tuple(t.shape) for t in norm[1].values()] == [(8, 16), (8, 1), (8, 1)]
+    assert not any(isinstance(t, torch._subclasses.FakeTensor) for t in norm[1].values())
+    assert _out_variant(aten._safe_softmax.default, softmax) is None  # no out= overload: timed as it is
+    assert _out_variant(aten.add_.Tensor, x) is None  # in place: allocates nothing anyway

@@ -198,6 +198,9 @@ class ModelProfile:
         optimizer_ms: Estimated time of the optimizer step, ms.
         input_signature: dtype and shape of each tensor input, e.g. ``"torch.int64[4, 128]"``.
         timeline: Every module boundary and phase change of the recorded step, in order, with memory.
+        backend_overhead_us: Per checkpoint backend, ``[forward_us, rerun_us]``: the host time its dispatch
+            mode adds per op of a wrapped module (see :mod:`lightning_sac.profiling.overhead`). Measured with
+            ``estimate="benchmark"`` only; empty otherwise, and then plans count recompute alone.
     """
 
     device: DeviceSpec
@@ -215,6 +218,7 @@ class ModelProfile:
     optimizer_ms: float = 0.0
     input_signature: list[str] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
+    backend_overhead_us: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def step_ms(self) -> float:

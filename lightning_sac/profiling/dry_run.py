@@ -14,6 +14,7 @@ from torch.nn.parameter import UninitializedParameter
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.emulation import CudaAttentionEmulation, cpu_workspace_bytes, fake_copy, fake_inputs
+from lightning_sac.profiling.overhead import measure_backend_overheads
 from lightning_sac.profiling.recorder import StepRecorder
 from lightning_sac.profiling.runtime import make_estimator
 from lightning_sac.profiling.step import (
@@ -210,4 +211,10 @@ def profile_step(
         optimizer_ms=recorder.phase_ms["optimizer"],
         input_signature=[f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)],
         timeline=recorder.timeline,
+        # Timed on this host, so only when the step is timed on it too; a GPU plan counts recompute alone.
+        backend_overhead_us=(
+            {k: [v.forward_us, v.rerun_us] for k, v in measure_backend_overheads().items()}
+            if estimate == "benchmark"
+            else {}
+        ),
     )

@@ -5,6 +5,7 @@ These are read off the operator schema and tags, so they hold for any operator, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,20 +70,26 @@ def is_inplace(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+@functools.cache
+def _random_kind(func: Any) -> str:
+    # Per operator, once: "dropout_p" (random when that argument is non-zero), "always" or "never".
+    if not isinstance(func, torch._ops.OpOverload):
+        return "never"
+    if any(a.name == "dropout_p" for a in func._schema.arguments):
+        return "dropout_p"
+    return "always" if torch.Tag.nondeterministic_seeded in func.tags else "never"
+
+
 def is_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the op draws from the random number generator in this call.
 
     Attention kernels take a ``dropout_p`` argument and are random only when it is non-zero; other ops are
     random when tagged ``nondeterministic_seeded`` (``native_dropout``, ``rand``, ``bernoulli_``...).
     """
-    if not isinstance(func, torch._ops.OpOverload):
-        return False
-    for arg, value in _schema_args(func, args, kwargs):
-        if arg.name == "dropout_p":
-            return bool(value)
-    if any(a.name == "dropout_p" for a in func._schema.arguments):
-        return False
-    return torch.Tag.nondeterministic_seeded in func.tags
+    kind = _random_kind(func)
+    if kind != "dropout_p":
+        return kind == "always"
+    return any(bool(value) for arg, value in _schema_args(func, args, kwargs) if arg.name == "dropout_p")
 
 
 def flat_tensors(x: Any) -> list[torch.Tensor]:

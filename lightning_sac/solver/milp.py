@@ -13,8 +13,8 @@ import highspy
 
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
-from lightning_sac.profiling.data import ModelProfile, ModuleProfile
-from lightning_sac.recompute import check_backend, recompute_ms
+from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.recompute import check_backend, fixed_overhead_ms, overhead_ms, recompute_ms
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.memory_model import (
@@ -104,6 +104,12 @@ def find_candidates(
     return found
 
 
+def _op_stats(profile: ModelProfile, fqn: str) -> ModuleOpStats:
+    stats = profile.modules[fqn].op_stats
+    assert stats is not None  # candidates are modules with op stats
+    return stats
+
+
 def _clean(coefficient: float) -> float:
     return 0.0 if abs(coefficient) < 1e-9 else coefficient
 
@@ -112,8 +118,14 @@ def _related(a: str, b: str) -> bool:
     return a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + ".")
 
 
-def _build(h: highspy.Highs, cands: list[Candidate]) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows."""
+def _build(
+    h: highspy.Highs, cands: list[Candidate], fixed_ms: dict[str, float] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows.
+
+    ``fixed_ms`` is what wrapping a candidate costs whatever its policy (the backend's host overhead).
+    """
+    fixed_ms = fixed_ms or {}
     y = {c.fqn: h.addBinary() for c in cands}
     r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
     rc = []
@@ -126,8 +138,9 @@ def _build(h: highspy.Highs, cands: list[Candidate]) -> tuple[dict[str, Any], di
         h.addConstr(r[c.fqn] >= _clean(c.min_discard) * y[c.fqn])
         cost = h.addVariable(lb=0.0)
         scale = t.total_runtime / unit
+        fixed = fixed_ms.get(c.fqn, 0.0) / unit
         for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
-            h.addConstr(cost >= _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept) * y[c.fqn])
+            h.addConstr(cost >= _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept + fixed) * y[c.fqn])
         rc.append(cost)
     for i, a in enumerate(cands):
         for b in cands[i + 1 :]:
@@ -235,7 +248,11 @@ def solve_plan(
         return plan
 
     h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-    y, r, rc = _build(h, cands)
+    per_op_us = profile.backend_overhead_us.get(backend)
+    fixed_ms = {
+        c.fqn: fixed_overhead_ms(_op_stats(profile, c.fqn), backend, per_op_us) if per_op_us else 0.0 for c in cands
+    }
+    y, r, rc = _build(h, cands, fixed_ms)
     constant = constant_floor(constraints)
     status = highspy.HighsModelStatus.kInfeasible
     if constant <= budget:
@@ -273,13 +290,15 @@ def solve_plan(
             discard_ratio=discard,
             op_policy=policy,
             recompute_ms=recompute_ms(stats, policy, backend),
+            overhead_ms=overhead_ms(stats, policy, backend, per_op_us) if per_op_us else 0.0,
             freed_bytes=c.retained - saved,
             op_names=list(stats.func_names),
         )
     freed = {f: d.freed_bytes for f, d in plan.decisions.items()}
     plan.predicted_peak_bytes = peak_with_plan(constraints, freed, {c.fqn: c.transient for c in cands})
     plan.predicted_recompute_ms = sum(d.recompute_ms for d in plan.decisions.values())
-    plan.predicted_step_ms = profile.step_ms + plan.predicted_recompute_ms
+    plan.predicted_overhead_ms = sum(d.overhead_ms for d in plan.decisions.values())
+    plan.predicted_step_ms = profile.step_ms + plan.predicted_recompute_ms + plan.predicted_overhead_ms
     plan.solver_status = h.modelStatusToString(status)
     plan.solver_gap = float(h.getInfo().mip_gap)
     plan.solver_seconds = time.perf_counter() - start

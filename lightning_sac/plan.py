@@ -125,8 +125,9 @@ class Plan:
             f"({self.sharding}): "
             f"peak {self.predicted_peak_bytes / _GIB:.3f} GiB "
             f"(without plan {self.unconstrained_peak_bytes / _GIB:.3f}), "
-            f"recompute {self.predicted_recompute_ms:.3f} ms + overhead {self.predicted_overhead_ms:.3f} ms of a "
-            f"{self.predicted_step_ms:.3f} ms step, "
+            f"recompute {self.predicted_recompute_ms:.3f} ms"
+            + (f" + backend overhead {self.predicted_overhead_ms:.3f} ms" if self.predicted_overhead_ms else "")
+            + f" of a {self.predicted_step_ms:.3f} ms step, "
             f"solved in {self.solver_seconds:.2f} s ({self.solver_status}, gap {self.solver_gap:.2%})"
         )
         return "\n".join(lines)

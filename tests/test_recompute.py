@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Any
 
 import pytest
@@ -16,8 +17,15 @@ from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profi
 from lightning_sac.apply import apply_plan
 from lightning_sac.graph_ac import _graph
 from lightning_sac.profiling.ops import is_sac_ignored, op_name
+from lightning_sac.profiling.overhead import measure_backend_overheads
 from lightning_sac.profiling.step import default_loss
-from lightning_sac.recompute import recompute_costs, recompute_ms, recomputed_ops
+from lightning_sac.recompute import (
+    fixed_overhead_ms,
+    overhead_ms,
+    recompute_costs,
+    recompute_ms,
+    recomputed_ops,
+)
 from lightning_sac.solver.milp import find_candidates
 
 GIB = 2**30
@@ -179,3 +187,62 @@ def test_graph_recomputes_exactly_the_predicted_ops(name, kind, monkeypatch):
     for fqn, d in plan.decisions.items():
         stats = profile.modules[fqn].op_stats
         assert set(recomputed_ops(stats, d.op_policy, "graph")) <= set(recomputed_ops(stats, d.op_policy, "sac"))
+
+
+# ----------------------------------------------------------------------------- the backends' own cost
+def test_backend_overheads_are_measured_on_this_host():
+    measured = measure_backend_overheads(n_ops=32, repeats=5)
+    assert set(measured) == {"sac", "graph"}
+    for overhead in measured.values():
+        # A Python dispatch mode on every op costs microseconds per op on any CPU; a 1 ms per op answer
+        # would mean the chain's kernels, not the wrapper, were timed.
+        assert 1.0 < overhead.forward_us < 1000.0
+        assert 0.0 <= overhead.rerun_us < 1000.0
+
+
+def test_overhead_counts_wrapped_ops_and_reruns_by_hand():
+    _, s = _stats()
+    per_op = [50.0, 20.0]  # us: forward, rerun
+    # SAC: 10 ops wrapped in forward, 10 rerun to the early stop whatever the policy.
+    assert fixed_overhead_ms(s, "sac", per_op) == pytest.approx((10 * 50 + 10 * 20) / 1e3)
+    assert overhead_ms(s, _policy({6}), "sac", per_op) == pytest.approx(0.7)
+    # Graph: 10 ops recorded in forward, and a rerun only for each of the 7 recomputed ops of this policy.
+    assert fixed_overhead_ms(s, "graph", per_op) == pytest.approx(0.5)
+    assert overhead_ms(s, _policy({6}), "graph", per_op) == pytest.approx((10 * 50 + 7 * 20) / 1e3)
+
+
+def test_plans_count_the_backend_overhead_and_wrap_fewer_ops_when_it_is_dear():
+    case, profile = _case("gpt")
+    budget = profile.peak_bytes * 0.85 / GIB
+    cheap = solve_plan(profile, budget)
+    assert cheap.predicted_overhead_ms == 0.0  # a roofline profile does not measure host overhead
+    dear_profile = copy.copy(profile)
+    dear_profile.backend_overhead_us = {"sac": [2000.0, 2000.0], "graph": [2000.0, 2000.0]}
+    dear = solve_plan(dear_profile, budget)
+    for fqn, d in dear.decisions.items():
+        stats = profile.modules[fqn].op_stats
+        assert d.overhead_ms == pytest.approx(fixed_overhead_ms(stats, "sac", [2000.0, 2000.0]))
+    assert dear.predicted_overhead_ms == pytest.approx(sum(d.overhead_ms for d in dear.decisions.values()))
+    assert dear.predicted_step_ms == pytest.approx(
+        profile.step_ms + dear.predicted_recompute_ms + dear.predicted_overhead_ms
+    )
+    # Every wrapped op now costs 4 ms: the solver wraps no more ops than without that cost, within budget.
+    assert sum(len(d.op_names) for d in dear.decisions.values()) <= sum(
+        len(d.op_names) for d in cheap.decisions.values()
+    )
+    assert dear.predicted_peak_bytes <= dear.budget_bytes
+
+
+def test_a_plan_is_applied_with_its_own_backend_by_default():
+    case, profile = _case("mlp")
+    plan = _plan("tight", profile)
+    graph_plan = solve_plan(profile, plan.budget_bytes / GIB, backend="graph")
+    assert plan.backend == "sac" and graph_plan.backend == "graph"
+    assert [d.op_policy for d in graph_plan.decisions.values()] == [d.op_policy for d in plan.decisions.values()]
+    for fqn, d in graph_plan.decisions.items():
+        assert d.recompute_ms == recompute_ms(profile.modules[fqn].op_stats, d.op_policy, "graph")
+    with apply_plan(case.model, graph_plan) as handle:
+        assert handle.backend == "graph"
+    assert Plan.from_json(graph_plan.to_json()) == graph_plan
+    with pytest.raises(ValueError, match="backend must be one of"):
+        solve_plan(profile, 1.0, backend="reentrant")

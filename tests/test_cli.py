@@ -30,6 +30,13 @@ def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
     assert cli.predicted_recompute_ms == direct.predicted_recompute_ms
     assert f"peak {direct.predicted_peak_bytes / 2**30:.3f} GiB" in printed
     assert "world size 8 (sharded)" in printed
+    # --backend: the same choice of ops, the recompute that backend reruns.
+    assert main([*argv, "--backend", "graph", "--json", str(path)]) == 0
+    graph = Plan.from_json(path.read_text())
+    direct_graph = solve_plan(profile, 6, world_size=8, sharding="sharded", backend="graph")
+    assert graph.backend == "graph" and graph.decisions == direct_graph.decisions
+    assert [d.op_policy for d in graph.decisions.values()] == [d.op_policy for d in cli.decisions.values()]
+    assert graph.predicted_recompute_ms <= cli.predicted_recompute_ms
 
 
 def test_devices_command_lists_the_table():

@@ -25,6 +25,7 @@ from lightning_sac.plan import Plan, fingerprint_of
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.dry_run import profile_step
 from lightning_sac.profiling.step import tensors_of
+from lightning_sac.recompute import check_backend
 from lightning_sac.report.tensorboard import TAG, log_measured, log_plan
 from lightning_sac.solver.milp import solve_plan
 
@@ -118,8 +119,7 @@ class AutoSAC(Callback):
             )
         if budget_fraction is not None and not 0 < budget_fraction <= 1:
             raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction}.")
-        if backend not in ("sac", "graph"):
-            raise ValueError(f"backend must be 'sac' or 'graph', got {backend!r}.")
+        check_backend(backend)
         if example_batch is not None and example_batch_fn is not None:
             raise ValueError("Pass example_batch or example_batch_fn, not both.")
         self.budget_gb = budget_gb

@@ -23,6 +23,7 @@ from lightning_sac.errors import LightningSACError
 from lightning_sac.plan import Plan
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.dry_run import profile_model
+from lightning_sac.recompute import BACKENDS
 from lightning_sac.solver.milp import solve_plan
 
 __all__ = [
@@ -189,7 +190,7 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
     parser.add_argument("--n-segments", type=int, default=2)
     parser.add_argument(
-        "--backend", choices=["sac", "graph"], default="sac", help="how the plan will be applied (its recompute cost)"
+        "--backend", choices=BACKENDS, default="sac", help="how the plan will be applied (its recompute cost)"
     )
     parser.add_argument("--json", default=None, help="also write the plan to this JSON file")
     parser.add_argument("--profile-json", default=None, help="also write the profile (for `report` figures)")

@@ -39,13 +39,18 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
 
 
+def _stop(stats: ModuleOpStats) -> int:
+    # How many ops a SAC recompute reruns; all of them when the profile does not say.
+    return len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
+
+
 def recompute_costs(stats: ModuleOpStats) -> list[float]:
     """What recomputing each op costs the ``"sac"`` backend, ms: its runtime, or 0 past the early stop.
 
     The cost is additive over ops, so the trade-off curves and the op knapsack use it as is. It bounds the
     graph backend's cost from above: everything graph recomputes precedes the last pack.
     """
-    stop = len(stats.runtimes) if stats.recompute_stop is None else stats.recompute_stop
+    stop = _stop(stats)
     return [t if i < stop else 0.0 for i, t in enumerate(stats.runtimes)]
 
 
@@ -59,10 +64,8 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
     n = len(stats.func_names)
     if len(policy) != n:
         raise ValueError(f"The policy has {len(policy)} decisions for a module of {n} ops; it must have one per op.")
-    if stats.recompute_stop is None:
-        return [i for i in range(n) if not policy[i]]
-    if backend == "sac":
-        return [i for i in range(stats.recompute_stop) if not policy[i]]
+    if backend == "sac" or stats.recompute_stop is None:
+        return [i for i in range(_stop(stats)) if not policy[i]]
     # An op that writes in place to a tensor from outside the module is always kept (running it twice would
     # write twice), and a kept op later overwritten in place is missing again.
     kept = {i for i in range(n) if policy[i]} | {i for i, parent in stats.inplace_ops if parent == i}
@@ -91,9 +94,8 @@ def fixed_overhead_ms(stats: ModuleOpStats, backend: str, per_op_us: Sequence[fl
     """
     check_backend(backend)
     forward_us, rerun_us = per_op_us
-    n = len(stats.func_names)
-    stop = n if stats.recompute_stop is None else stats.recompute_stop
-    return (n * forward_us + (stop * rerun_us if backend == "sac" else 0.0)) / 1e3
+    rerun = _stop(stats) * rerun_us if backend == "sac" else 0.0
+    return (len(stats.func_names) * forward_us + rerun) / 1e3
 
 
 def overhead_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str, per_op_us: Sequence[float]) -> float:

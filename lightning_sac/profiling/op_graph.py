@@ -101,10 +101,11 @@ class OpGraph:
                 parent = op.inplace_parent - start
                 stats.inplace_ops.append((i, parent if 0 <= parent < i else i))
             stats.op_inputs.append(sorted({j for j in map(local, op.inputs) if j is not None and j < i}))
-        # A saved output that a later op of the module writes in place no longer holds what its op made.
+        # A saved output that a later op of the module writes in place no longer holds what its op made: an
+        # op's output is overwritten later when the module's last write to one of its storages comes after it.
+        last_write = {op.inplace_parent: j for j, op in enumerate(ops) if op.inplace_parent is not None}
         for i, op in enumerate(ops):
-            roots = {r for r in op.storage_roots if r >= 0}
-            if any(later.inplace_parent in roots for later in ops[i + 1 :]):
+            if any(last_write.get(r, -1) > i for r in op.storage_roots if r >= 0):
                 stats.mutated_later.append(i)
         packs = self.packs[pack_range[0] : pack_range[1]]
         stats.packed_ops = sorted({j for _, made in packs for j in map(local, made) if j is not None})

@@ -279,8 +279,7 @@ def solve_plan(
     for fqn in [c.fqn for c in cands if h.val(y[c.fqn]) > 0.5]:
         c = by_fqn[fqn]
         discard = min(max(h.val(r[fqn]), c.min_discard), c.tradeoff.max_discard)
-        stats = profile.modules[fqn].op_stats
-        assert stats is not None
+        stats = _op_stats(profile, fqn)
         policy = optimal_op_policy(stats, max(0.0, min(1.0, 1.0 - discard)))
         memory = effective_memory(stats)
         saved = sum(m for m, keep in zip(memory, policy, strict=True) if keep)

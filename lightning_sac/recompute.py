@@ -86,24 +86,40 @@ def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sa
     return sum(stats.runtimes[i] for i in recomputed_ops(stats, policy, backend))
 
 
-def fixed_overhead_ms(stats: ModuleOpStats, backend: str, per_op_us: Sequence[float]) -> float:
+def fixed_overhead_ms(
+    stats: ModuleOpStats, backend: str, per_op_us: Sequence[float], measured: Sequence[float] | None = None
+) -> float:
     """The backend's host time for wrapping the module whatever its policy, ms.
 
-    ``per_op_us`` is ``[forward_us, rerun_us]`` from :attr:`ModelProfile.backend_overhead_us`. Every op of the
-    forward pays ``forward_us``; SAC also reruns every op up to its early stop.
+    ``measured`` is the module's ``[fixed_ms, recompute_factor]`` from
+    :attr:`ModuleProfile.measured_overhead`; when given, its ``fixed_ms`` is the answer. Otherwise it is
+    estimated from ``per_op_us``, ``[forward_us, rerun_us]`` from :attr:`ModelProfile.backend_overhead_us`:
+    every op of the forward pays ``forward_us``, and SAC also reruns every op up to its early stop.
     """
     check_backend(backend)
+    if measured:
+        return measured[0]
     forward_us, rerun_us = per_op_us
     rerun = _stop(stats) * rerun_us if backend == "sac" else 0.0
     return (len(stats.func_names) * forward_us + rerun) / 1e3
 
 
-def overhead_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str, per_op_us: Sequence[float]) -> float:
-    """The backend's host time for the module under ``policy``, ms.
+def overhead_ms(
+    stats: ModuleOpStats,
+    policy: Sequence[int],
+    backend: str,
+    per_op_us: Sequence[float],
+    measured: Sequence[float] | None = None,
+) -> float:
+    """The backend's host time for the module under ``policy``, besides :func:`recompute_ms`, ms.
 
-    That is :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
+    With ``measured`` (``[fixed_ms, recompute_factor]``), ``fixed_ms`` and the share of the recompute that the
+    module's real rerun took beyond the profile's op times: ``(recompute_factor - 1) * recompute_ms``.
+    Otherwise :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
     """
-    fixed = fixed_overhead_ms(stats, backend, per_op_us)
+    fixed = fixed_overhead_ms(stats, backend, per_op_us, measured)
+    if measured:
+        return fixed + (measured[1] - 1.0) * recompute_ms(stats, policy, backend)
     if backend == "sac":
         return fixed
     return fixed + len(recomputed_ops(stats, policy, backend)) * per_op_us[1] / 1e3

@@ -105,6 +105,24 @@ def test_fit_matches_plain_fit_and_every_rank_applies_the_same_plan(tmp_path, st
         assert auto["losses"] == pytest.approx(plain["losses"], rel=1e-5)
 
 
+def test_benchmark_estimate_measures_the_modules_without_moving_the_fit(tmp_path):
+    # Profiling for this CPU runs copies of the blocks for real (dropout, synthetic inputs): the fit must see
+    # the same random stream, data and losses as a plain one.
+    budget = tight_budget_gb()
+    runs = {}
+    cb = AutoSAC(budget_gb=budget, estimate="benchmark")
+    for name, callbacks in (("plain", []), ("autosac", [cb])):
+        out = tmp_path / name
+        out.mkdir()
+        trainer(callbacks + [Record(out)], tmp_path).fit(module())
+        runs[name] = json.loads((out / "rank0.json").read_text())
+    assert cb.profile is not None and cb.plan is not None and cb.plan.decisions
+    assert runs["autosac"]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-5)
+    for fqn, d in cb.plan.decisions.items():
+        fixed, factor = cb.profile.modules[fqn].measured_overhead["sac"]
+        assert d.overhead_ms == pytest.approx(fixed + (factor - 1) * d.recompute_ms, rel=1e-9)
+
+
 def test_resume_restores_the_plan_without_profiling(tmp_path, monkeypatch):
     budget = tight_budget_gb()
     first = AutoSAC(budget_gb=budget)

@@ -126,6 +126,10 @@ class ModuleProfile:
         backward_ms: Estimated backward time, children included, ms.
         calls: How many times ``forward`` ran in the step (memory and op stats are of the first call).
         op_stats: For non-leaf modules, the ops of the first forward call.
+        measured_overhead: Per checkpoint backend, ``[fixed_ms, recompute_factor]``: what wrapping the module
+            cost when a copy of it ran for real on this CPU (see :mod:`lightning_sac.profiling.calibrate`).
+            Only with ``estimate="benchmark"``, and only for the modules that could be measured; the others use
+            :attr:`ModelProfile.backend_overhead_us`.
     """
 
     fqn: str
@@ -142,6 +146,7 @@ class ModuleProfile:
     backward_ms: float = 0.0
     calls: int = 0
     op_stats: ModuleOpStats | None = None
+    measured_overhead: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def activation_bytes(self) -> int:

@@ -5,7 +5,8 @@ record), and in backward (SAC reruns the module's code up to its early stop, ser
 the graph backend realizes each recomputed node in Python). On a CPU step that time adds to the step like
 recompute does: 10-15 ms per transformer block of about 70 ops here, as much as recomputing a few of its
 matmuls. It is measured once per profile, on a chain of tiny ops whose kernels cost next to nothing, as the
-difference between the wrapped and the plain chain.
+difference between the wrapped and the plain chain. These per-op figures are a floor: on large tensors a module
+pays more (see :mod:`lightning_sac.profiling.calibrate`, which measures the modules themselves when it can).
 """
 
 from __future__ import annotations

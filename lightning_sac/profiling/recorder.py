@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
+from lightning_sac.profiling.calibrate import input_spec
 from lightning_sac.profiling.data import MemorySnapshot, ModuleProfile, TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
 from lightning_sac.profiling.op_graph import OpGraph, OpRecord
@@ -109,6 +110,8 @@ class StepRecorder(TorchDispatchMode):
         self._next_serial = 0
         self._saved: set[tuple[int, int]] = set()
         self._states: dict[str, _ModuleState] = {}
+        #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
+        self.input_specs: dict[str, Any] = {}
         self._handles: list[RemovableHandle] = []
         self._tensor_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
@@ -212,6 +215,7 @@ class StepRecorder(TorchDispatchMode):
             if st.profile.calls > 1:
                 return
             inputs = tensors_of((args, kwargs))
+            self.input_specs[fqn] = input_spec((args, kwargs))
             st.n_inputs = len(inputs)
             st.profile.input_bytes = self._storage_bytes(inputs)
             st.force_store_random = not inputs

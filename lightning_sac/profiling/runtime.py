@@ -5,6 +5,7 @@ Both are called once per op from inside the dry run's dispatch mode, with the op
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from typing import Any, Protocol
@@ -16,7 +17,14 @@ from torch.utils.flop_counter import flop_registry
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.ops import flat_tensors, is_sac_ignored, is_view_like
 
-__all__ = ["BenchmarkEstimator", "RooflineEstimator", "RuntimeEstimator", "make_estimator", "op_flops"]
+__all__ = [
+    "BenchmarkEstimator",
+    "RooflineEstimator",
+    "RuntimeEstimator",
+    "make_estimator",
+    "op_flops",
+    "real_tensor",
+]
 
 aten = torch.ops.aten
 
@@ -89,16 +97,13 @@ class RooflineEstimator:
         return max(compute_s, memory_s) * 1e3
 
 
-def _real_like(x: Any) -> Any:
-    """A real CPU tensor with the fake tensor's shape, strides and dtype, holding valid indices and values."""
-    if not isinstance(x, torch.Tensor):
-        if isinstance(x, (list, tuple)):
-            return type(x)(_real_like(v) for v in x)
-        return x
+def real_tensor(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """A real CPU tensor of this layout holding valid indices and values of a typical scale."""
     # Allocate the extent the strides reach, fill it, then view it: broadcast (stride 0) and overlapping
     # layouts cannot be filled in place.
-    extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True)) if x.numel() else 0
-    base = torch.empty(extent + x.storage_offset(), dtype=x.dtype, device="cpu")
+    numel = math.prod(shape)
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) if numel else 0
+    base = torch.empty(extent + offset, dtype=dtype, device="cpu")
     # Zeros are valid indices for embedding, gather and losses. Floats get positive values of a typical scale:
     # a NaN from sqrt or log of a negative takes a slow path on CPUs (sqrt: 18x on this one), and AdamW's
     # sqrt of its second moment never sees one in training.
@@ -106,7 +111,16 @@ def _real_like(x: Any) -> Any:
         base.uniform_(0.5, 1.5)
     else:
         base.zero_()
-    return base.as_strided(tuple(x.shape), tuple(x.stride()), x.storage_offset())
+    return base.as_strided(shape, stride, offset)
+
+
+def _real_like(x: Any) -> Any:
+    """A real CPU tensor with the fake tensor's shape, strides and dtype (:func:`real_tensor`)."""
+    if not isinstance(x, torch.Tensor):
+        if isinstance(x, (list, tuple)):
+            return type(x)(_real_like(v) for v in x)
+        return x
+    return real_tensor(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype)
 
 
 def _out_variant(func: Any, out: Any) -> tuple[Any, dict[str, torch.Tensor]] | None:
@@ -167,7 +181,8 @@ class BenchmarkEstimator:
         key = (func, _signature(args), _signature(kwargs))
         if key in self._cache:
             return self._cache[key]
-        with unset_fake_temporarily(), torch.no_grad():
+        # fork_rng: synthetic inputs and random ops draw from the global generator, which is the user's.
+        with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(devices=[]):
             real_args, real_kwargs = _real_like(args), {k: _real_like(v) for k, v in kwargs.items()}
             variant = _out_variant(func, out)
             if variant is not None:

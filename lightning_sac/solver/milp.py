@@ -119,13 +119,17 @@ def _related(a: str, b: str) -> bool:
 
 
 def _build(
-    h: highspy.Highs, cands: list[Candidate], fixed_ms: dict[str, float] | None = None
+    h: highspy.Highs,
+    cands: list[Candidate],
+    fixed_ms: dict[str, float] | None = None,
+    factor: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows.
 
-    ``fixed_ms`` is what wrapping a candidate costs whatever its policy (the backend's host overhead).
+    ``fixed_ms`` is what wrapping a candidate costs whatever its policy (the backend's host overhead), and
+    ``factor`` how much slower than the profile's op times its recompute runs (measured, default 1).
     """
-    fixed_ms = fixed_ms or {}
+    fixed_ms, factor = fixed_ms or {}, factor or {}
     y = {c.fqn: h.addBinary() for c in cands}
     r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
     rc = []
@@ -137,7 +141,7 @@ def _build(
         h.addConstr(r[c.fqn] <= _clean(t.max_discard) * y[c.fqn])
         h.addConstr(r[c.fqn] >= _clean(c.min_discard) * y[c.fqn])
         cost = h.addVariable(lb=0.0)
-        scale = t.total_runtime / unit
+        scale = t.total_runtime / unit * factor.get(c.fqn, 1.0)
         fixed = fixed_ms.get(c.fqn, 0.0) / unit
         for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
             h.addConstr(cost >= _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept + fixed) * y[c.fqn])
@@ -249,10 +253,15 @@ def solve_plan(
 
     h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
     per_op_us = profile.backend_overhead_us.get(backend)
+    measured = {c.fqn: profile.modules[c.fqn].measured_overhead.get(backend) for c in cands}
     fixed_ms = {
-        c.fqn: fixed_overhead_ms(_op_stats(profile, c.fqn), backend, per_op_us) if per_op_us else 0.0 for c in cands
+        c.fqn: fixed_overhead_ms(_op_stats(profile, c.fqn), backend, per_op_us or [0.0, 0.0], measured[c.fqn])
+        if per_op_us or measured[c.fqn]
+        else 0.0
+        for c in cands
     }
-    y, r, rc = _build(h, cands, fixed_ms)
+    factor = {fqn: m[1] for fqn, m in measured.items() if m}
+    y, r, rc = _build(h, cands, fixed_ms, factor)
     constant = constant_floor(constraints)
     status = highspy.HighsModelStatus.kInfeasible
     if constant <= budget:
@@ -289,7 +298,11 @@ def solve_plan(
             discard_ratio=discard,
             op_policy=policy,
             recompute_ms=recompute_ms(stats, policy, backend),
-            overhead_ms=overhead_ms(stats, policy, backend, per_op_us) if per_op_us else 0.0,
+            overhead_ms=(
+                overhead_ms(stats, policy, backend, per_op_us or [0.0, 0.0], measured[fqn])
+                if per_op_us or measured[fqn]
+                else 0.0
+            ),
             freed_bytes=c.retained - saved,
             op_names=list(stats.func_names),
         )

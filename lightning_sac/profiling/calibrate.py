@@ -1,0 +1,212 @@
+"""What wrapping a module costs on this CPU, measured on the module itself (``estimate="benchmark"``).
+
+The per-op figures of :mod:`lightning_sac.profiling.overhead` come from a chain of tiny ops, and on a real
+module they fall short (half of what a GPT block of this repository's benchmark pays):
+
+* Under any Python dispatch mode, which both backends run their forward in, ATen treats every tensor as a
+  subclass, and composite ops take their out-of-place paths: the CPU's math attention adds its mask into a new
+  tensor (``add``) where the plain forward writes in place (``add_``). The profile cannot tell, since its own
+  dry run runs under such a mode and sees the out-of-place path.
+* A saved output stays alive in memory the cache no longer holds, where the plain forward would have reused it.
+* An op rerun in backward runs slower than the same op timed in isolation.
+
+So for each module a plan may wrap, a copy of the real module is run on synthetic inputs of its profiled shapes:
+plainly, and under each backend with every op saved and with every op recomputed. From the three times,
+per backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
+
+* ``fixed_ms``: the keep-all step minus the plain one: what wrapping costs whatever the policy;
+* ``recompute_factor``: the recompute-all step minus the keep-all one, over the recompute the profile predicts
+  for that policy (:func:`lightning_sac.recompute.recompute_ms`): how much slower the rerun is for real.
+
+A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.recompute.overhead_ms`).
+Modules are measured once per class, parameter shapes and input signature, in interleaved rounds, fastest of
+each. Not measured (the per-op figures apply): modules called more than once, modules whose forward and
+backward take more than half the step (the root: it would double the profile's time), and models whose
+weights are not real CPU tensors (built on the meta device). A module that cannot run on synthetic inputs is
+named in one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_sac.profiling.data import ModuleProfile
+from lightning_sac.profiling.runtime import real_tensor
+from lightning_sac.profiling.step import tensors_of
+from lightning_sac.recompute import BACKENDS, recompute_ms
+
+__all__ = ["TensorSpec", "calibrate_modules", "input_spec"]
+
+# The interleaved measurement runs one warm-up round, then rounds until at least _MIN_ROUNDS and _MIN_SECONDS
+# (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the fastest counts.
+_MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 3, 20, 0.5
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What it takes to build a real tensor like a profiled (fake) one."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def materialize(self) -> torch.Tensor:
+        """A real CPU tensor of this layout with valid synthetic values (see ``runtime.real_tensor``)."""
+        t = real_tensor(self.shape, self.stride, self.offset, self.dtype)
+        # detach: a leaf of the same layout, so that its .grad can be reset between runs
+        return t.detach().requires_grad_() if self.requires_grad else t
+
+
+def input_spec(value: Any) -> Any:
+    """``value`` (a module's ``(args, kwargs)``) with every tensor replaced by its :class:`TensorSpec`.
+
+    Only metadata is kept: holding the fake tensors themselves would keep them alive in the memory profile.
+    """
+
+    def spec(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return TensorSpec(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.requires_grad)
+
+    return tree_map(spec, value)
+
+
+def _materialize(spec: Any) -> Any:
+    return tree_map(lambda x: x.materialize() if isinstance(x, TensorSpec) else x, spec)
+
+
+def _is_real_cpu(module: nn.Module) -> bool:
+    tensors = [*module.parameters(), *module.buffers()]
+    return all(t.device.type == "cpu" and not isinstance(t, torch.nn.parameter.UninitializedParameter) for t in tensors)
+
+
+def calibrate_modules(
+    model: nn.Module,
+    modules: Mapping[str, ModuleProfile],
+    specs: Mapping[str, Any],
+    step_ms: float,
+    *,
+    share: tuple[object, ...] = (),
+    autocast_dtype: torch.dtype | None = None,
+) -> None:
+    """Fill ``measured_overhead`` of the modules a plan may wrap (see the module docstring).
+
+    Args:
+        model: The user's model, with real weights on the CPU; only copies of its modules run.
+        modules: The profile's modules, updated in place.
+        specs: Per fqn, :func:`input_spec` of the module's forward inputs in the profiled step.
+        step_ms: The profiled step time, ms, that bounds which modules are worth measuring.
+        share: Objects reachable from the modules that must not be copied.
+        autocast_dtype: The autocast dtype the step ran its forward in, if any.
+    """
+    done: dict[Any, dict[str, list[float]]] = {}
+    failed: list[str] = []
+    named = dict(model.named_modules())
+    for fqn, prof in modules.items():
+        stats = prof.op_stats
+        module = named.get(fqn)
+        if stats is None or module is None or prof.calls != 1 or fqn not in specs or not stats.func_names:
+            continue
+        if prof.forward_ms + prof.backward_ms > step_ms / 2 or not _is_real_cpu(module):
+            continue
+        spec = specs[fqn]
+        params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+        key = (type(module), params, module.training, repr(spec))
+        if key not in done:
+            try:
+                done[key] = _measure(module, spec, prof, share, autocast_dtype)
+            except Exception as err:  # noqa: BLE001 - the module keeps the per-op figures, and the user is told
+                failed.append(f"{fqn!r} ({type(err).__name__}: {err})")
+                done[key] = {}
+        prof.measured_overhead = {k: list(v) for k, v in done[key].items()}
+    if failed:
+        warnings.warn(
+            "lightning-sac could not run these modules for real on synthetic inputs to measure what "
+            f"checkpointing them costs on this CPU: {', '.join(failed)}. Their overhead is estimated per op "
+            "instead, which underestimates it on large tensors.",
+            stacklevel=3,
+        )
+
+
+def _measure(
+    module: nn.Module,
+    spec: Any,
+    prof: ModuleProfile,
+    share: tuple[object, ...],
+    autocast_dtype: torch.dtype | None,
+) -> dict[str, list[float]]:
+    # The appliers and the knapsack import the profiler's data model: imported here to avoid a cycle.
+    from lightning_sac.apply import apply_plan
+    from lightning_sac.plan import ModuleDecision, Plan
+    from lightning_sac.solver.knapsack import optimal_op_policy
+
+    stats = prof.op_stats
+    assert stats is not None  # checked by the caller
+    twin = copy.deepcopy(module, memo={id(o): o for o in share})
+    n = len(stats.func_names)
+    policies = {"keep": [1] * n, "recompute": optimal_op_policy(stats, 0.0)}
+    configs: list[tuple[str, str]] = [("plain", "")] + [(b, p) for b in BACKENDS for p in policies]
+    best = dict.fromkeys(configs, math.inf)
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+    # The user's RNG stream must not move: synthetic inputs and dropout draw from the global generator.
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args, kwargs = _materialize(spec)
+        start, rounds = time.perf_counter(), -1  # round -1 warms up
+        while rounds < _MIN_ROUNDS or (time.perf_counter() - start < _MIN_SECONDS and rounds < _MAX_ROUNDS):
+            rounds += 1
+            for backend, which in configs:
+                plan = None
+                if which:
+                    decision = ModuleDecision(
+                        discard_ratio=1.0 - sum(policies[which]) / n,
+                        op_policy=policies[which],
+                        recompute_ms=0.0,
+                        freed_bytes=0,
+                        op_names=list(stats.func_names),
+                    )
+                    plan = Plan(decisions={"": decision}, budget_bytes=0)
+                with apply_plan(twin, plan, backend=backend) if plan else contextlib.nullcontext():
+                    took = _step(twin, args, kwargs, autocast)
+                if rounds:
+                    best[backend, which] = min(best[backend, which], took)
+    mismatch = [str(w.message) for w in caught if "ran other ops than the profiled ones" in str(w.message)]
+    if mismatch:
+        # Synthetic values took another code path than the profiled step: the timings are not of the plan.
+        raise RuntimeError(f"on synthetic inputs it ran other ops than in the profile: {mismatch[0]}")
+    result = {}
+    plain = best["plain", ""]
+    for backend in BACKENDS:
+        keep, rerun = best[backend, "keep"], best[backend, "recompute"]
+        predicted = recompute_ms(stats, policies["recompute"], backend)
+        factor = (rerun - keep) * 1e3 / predicted if predicted > 0 else 1.0
+        result[backend] = [max(0.0, keep - plain) * 1e3, max(0.0, factor)]
+    return result
+
+
+def _step(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], autocast: Any) -> float:
+    """Forward and backward of ``module`` through every float output; seconds. Gradients are reset after."""
+    start = time.perf_counter()
+    with autocast:
+        out = module(*args, **kwargs)
+    grads = [t.float().sum() for t in tensors_of(out) if t.requires_grad]
+    if grads:
+        torch.stack(grads).sum().backward()
+    took = time.perf_counter() - start
+    module.zero_grad(set_to_none=True)
+    for t in tensors_of((args, kwargs)):
+        t.grad = None
+    return took

@@ -1,0 +1,135 @@
+"""What wrapping a module costs, measured on a real copy of the module when profiling for this CPU."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import gpt_case
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from lightning_sac import profile_model, solve_plan
+from lightning_sac.profiling.calibrate import TensorSpec, input_spec
+from lightning_sac.recompute import fixed_overhead_ms, overhead_ms, recompute_ms
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def gpt_benchmark():
+    case = gpt_case()
+    before = copy.deepcopy(case.model.state_dict())
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every module runs on synthetic inputs: nothing to warn about
+        profile = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, device="cpu", estimate="benchmark")
+    return case, profile, before, rng
+
+
+def test_modules_are_measured_once_per_kind_and_the_model_is_untouched(gpt_benchmark):
+    case, profile, before, rng = gpt_benchmark
+    measured = {fqn: m.measured_overhead for fqn, m in profile.modules.items() if m.measured_overhead}
+    # Blocks, attention and MLPs; not the root (its forward and backward are the whole step but the loss).
+    assert sorted(measured) == sorted(f"blocks.{i}{part}" for i in range(2) for part in ("", ".attn", ".mlp")), sorted(
+        measured
+    )
+    assert profile.modules[""].measured_overhead == {}
+    # Identical modules with identical inputs are measured once: block 1 has block 0's very numbers.
+    for part in ("", ".attn", ".mlp"):
+        assert measured[f"blocks.1{part}"] == measured[f"blocks.0{part}"]
+    for fqn, by_backend in measured.items():
+        assert set(by_backend) == {"sac", "graph"}
+        for fixed_ms, factor in by_backend.values():
+            # A rerun on real tensors runs the ops the profile timed, within a factor of 3 either way on any
+            # CPU (interference only adds time; 1/3 would mean the rerun skipped ops it predicted).
+            assert 1 / 3 < factor < 3, (fqn, factor)
+            assert fixed_ms >= 0.0
+    # Wrapping a whole block in SAC costs time: its ~65 ops each pass through a Python dispatch mode.
+    assert measured["blocks.0"]["sac"][0] > 0.0
+    # Only copies ran: the user's weights, gradients and random stream are as they were.
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in case.model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_plans_use_the_measured_overhead(gpt_benchmark):
+    _, profile, _, _ = gpt_benchmark
+    for backend in ("sac", "graph"):
+        plan = solve_plan(profile, profile.peak_bytes * 0.7 / GIB, backend=backend)
+        assert plan.decisions
+        for fqn, d in plan.decisions.items():
+            m = profile.modules[fqn]
+            fixed, factor = m.measured_overhead[backend]
+            expected = fixed + (factor - 1) * recompute_ms(m.op_stats, d.op_policy, backend)
+            assert d.overhead_ms == pytest.approx(expected, rel=1e-12)
+        assert plan.predicted_overhead_ms == pytest.approx(sum(d.overhead_ms for d in plan.decisions.values()))
+
+
+def test_measured_overhead_by_hand():
+    from test_op_stats import _stats
+
+    _, s = _stats()
+    policy = [1, 1, 0, 0, 0, 0, 0, 1, 1, 0]
+    # Measured: wrapping costs 3 ms, and the rerun takes 1.5x the profile's op times.
+    assert fixed_overhead_ms(s, "sac", [50.0, 20.0], measured=[3.0, 1.5]) == 3.0
+    rerun = recompute_ms(s, policy, "sac")
+    assert rerun > 0
+    assert overhead_ms(s, policy, "sac", [50.0, 20.0], measured=[3.0, 1.5]) == pytest.approx(3.0 + 0.5 * rerun)
+    # The per-op figures are not used once the module is measured.
+    assert overhead_ms(s, policy, "graph", [0.0, 0.0], measured=[3.0, 1.0]) == 3.0
+
+
+class _NeedsProfiledData(nn.Module):
+    """Runs on the profile's fake tensors, and refuses any other input (as a module checking its data would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, FakeTensor):
+            raise RuntimeError("expected the profiled batch")
+        return self.body(x)
+
+
+def test_a_module_that_cannot_run_on_synthetic_inputs_is_named_once_and_keeps_per_op_figures():
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+
+    # Four blocks of like cost: none is more than half the step, so all are meant to be measured.
+    model = nn.Sequential(block(), _NeedsProfiledData(), block(), block(), nn.Linear(64, 1))
+    with pytest.warns(
+        UserWarning, match=r"could not run these modules.*'1' \(RuntimeError: expected the profiled"
+    ) as rec:
+        profile = profile_model(model, (torch.randn(4096, 64),), device="cpu", estimate="benchmark")
+    assert len([w for w in rec if "could not run these modules" in str(w.message)]) == 1
+    assert profile.modules["1"].measured_overhead == {}
+    assert all(set(profile.modules[f].measured_overhead) == {"sac", "graph"} for f in ("0", "2", "3"))
+    assert profile.backend_overhead_us  # what a plan charges for it instead (see test_recompute)
+
+
+def test_a_meta_model_is_not_measured():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 1))
+    profile = profile_model(model, (torch.randn(32, 64),), device="cpu", estimate="benchmark")
+    assert all(m.measured_overhead == {} for m in profile.modules.values())
+    assert profile.backend_overhead_us  # the per-op figures still apply
+
+
+def test_input_spec_keeps_layout_not_tensors():
+    x = torch.randn(4, 6).t()
+    ids = torch.zeros(3, dtype=torch.long)
+    spec = input_spec(((x, 2.0), {"ids": ids, "flag": True}))
+    (sx, scalar), kwargs = spec
+    assert sx == TensorSpec((6, 4), (1, 6), 0, torch.float32, False)
+    assert scalar == 2.0 and kwargs["flag"] is True
+    real = sx.materialize()
+    assert real.shape == (6, 4) and real.stride() == (1, 6)
+    assert real.min() >= 0.5 and real.max() <= 1.5  # positive floats of a typical scale
+    assert torch.equal(kwargs["ids"].materialize(), torch.zeros(3, dtype=torch.long))  # valid indices
+    grad_spec = input_spec(torch.ones(2, requires_grad=True))
+    assert grad_spec.materialize().requires_grad and grad_spec.materialize().is_leaf

@@ -130,6 +130,15 @@ def main() -> None:
         f"predicted; {args.steps} interleaved rounds; malloc: "
         f"{'glibc defaults' if args.system_malloc else 'freed memory kept (MALLOC_MMAP_MAX_=0)'}"
     )
+    kinds = {
+        m.module_type: m.measured_overhead[args.backend]
+        for m in profile.modules.values()
+        if args.backend in m.measured_overhead
+    }
+    print(
+        "Measured on a copy of each module (fixed ms, recompute factor): "
+        + ", ".join(f"{k} {v[0]:.1f} ms, {v[1]:.3f}" for k, v in kinds.items())
+    )
     header = (
         f"{'budget':>8} | {'modules':>7} | {'fastest ms':>10} | {'extra, fastest':>14} | {'extra, paired':>13} | "
         f"{'predicted':>9} | {'fastest/pred':>12} | {'paired/pred':>11} | recompute + overhead"

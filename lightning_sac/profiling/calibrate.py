@@ -50,7 +50,7 @@ __all__ = ["TensorSpec", "calibrate_modules", "input_spec"]
 
 # The interleaved measurement runs one warm-up round, then rounds until at least _MIN_ROUNDS and _MIN_SECONDS
 # (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the fastest counts.
-_MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 3, 20, 0.5
+_MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 6, 20, 0.5
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,11 @@ def main() -> None:
     def optimizer(params):  # noqa: ANN001, ANN202
         return torch.optim.AdamW(params, lr=1e-4)
 
+    profile_start = time.perf_counter()
     profile = profile_model(
         model, (idx,), loss_fn=loss_fn, optimizer_factory=optimizer, device="cpu", estimate="benchmark"
     )
+    profile_s = time.perf_counter() - profile_start
     plans = [solve_plan(profile, profile.peak_bytes * f / GIB, backend=args.backend) for f in args.fractions]
     # A second plain copy measured like the plans: its "extra" is the noise floor of this machine and method.
     # Then the tightest plan's modules wrapped with every op saved: what the backend costs besides recompute.
@@ -127,7 +129,7 @@ def main() -> None:
     print(
         f"GPT {args.layers} blocks, d=256, T={args.seq}, batch {args.batch}, AdamW, CPU ({torch.get_num_threads()} "
         f"threads), backend {args.backend}: plain step {plain * 1e3:.1f} ms measured, {profile.step_ms:.1f} ms "
-        f"predicted; {args.steps} interleaved rounds; malloc: "
+        f"predicted (profiled in {profile_s:.1f} s); {args.steps} interleaved rounds; malloc: "
         f"{'glibc defaults' if args.system_malloc else 'freed memory kept (MALLOC_MMAP_MAX_=0)'}"
     )
     kinds = {

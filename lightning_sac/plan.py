@@ -29,8 +29,9 @@ class ModuleDecision:
         recompute_ms: Runtime of the ops one backward reruns under the policy on the plan's backend, ms
             (:func:`lightning_sac.recompute.recompute_ms`).
         freed_bytes: Activation bytes the policy frees between the module's forward and its backward.
-        overhead_ms: Host time the backend's dispatch mode adds to the step for this module, ms (0 unless
-            the profile measured it, see :attr:`ModelProfile.backend_overhead_us`).
+        overhead_ms: What wrapping the module adds to the step besides ``recompute_ms``, ms (0 unless the
+            profile measured it: :attr:`ModuleProfile.measured_overhead`, else the per-op figures of
+            :attr:`ModelProfile.backend_overhead_us`; see :func:`lightning_sac.recompute.overhead_ms`).
         op_names: The op each entry of ``op_policy`` is for (``"aten.mm.default"``...), in order, so that a
             policy applied at run time can tell when the module runs other ops than the profiled ones.
     """
@@ -59,7 +60,7 @@ class Plan:
         predicted_peak_bytes: Peak of the step on one device with the plan, bytes.
         unconstrained_peak_bytes: Peak without any checkpointing, bytes.
         predicted_recompute_ms: Total recompute the plan adds to each step, ms.
-        predicted_overhead_ms: Total host time the backend adds to each step besides recompute, ms.
+        predicted_overhead_ms: Total the backend adds to each step besides recompute, ms.
         predicted_step_ms: Estimated step time with the plan, ms: the profile's, recompute and overhead.
         solver_status: HiGHS's model status (``"Optimal"``, or ``"Not needed"`` when the budget is slack).
         solver_gap: Relative MIP gap of the solution.

@@ -205,7 +205,8 @@ class ModelProfile:
         timeline: Every module boundary and phase change of the recorded step, in order, with memory.
         backend_overhead_us: Per checkpoint backend, ``[forward_us, rerun_us]``: the host time its dispatch
             mode adds per op of a wrapped module (see :mod:`lightning_sac.profiling.overhead`). Measured with
-            ``estimate="benchmark"`` only; empty otherwise, and then plans count recompute alone.
+            ``estimate="benchmark"`` only; empty otherwise, and then plans count recompute alone. A module
+            with :attr:`ModuleProfile.measured_overhead` is charged that instead.
     """
 
     device: DeviceSpec

@@ -46,7 +46,7 @@ from lightning_sac import Plan, profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
 from lightning_sac.profiling.step import model_loss, training_step  # noqa: E402
-from lightning_sac.recompute import overhead_ms  # noqa: E402
+from lightning_sac.recompute import BACKENDS, overhead_ms  # noqa: E402
 
 GIB = 2**30
 # glibc reads these at start-up: never return freed memory to the OS (no mmap'd chunks, no heap trimming).
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=25, help="timed rounds (one step of each configuration)")
-    parser.add_argument("--backend", default="sac", choices=["sac", "graph"])
+    parser.add_argument("--backend", default="sac", choices=BACKENDS)
     parser.add_argument("--fractions", type=float, nargs=3, default=[0.7, 0.55, 0.4])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier timings)")
     parser.add_argument("--system-malloc", action="store_true", help="keep glibc's defaults (see above)")

@@ -112,6 +112,29 @@ def test_a_module_that_cannot_run_on_synthetic_inputs_is_named_once_and_keeps_pe
     assert profile.backend_overhead_us  # what a plan charges for it instead (see test_recompute)
 
 
+class _OtherPathOnRealData(nn.Module):
+    """Runs one op more on real tensors than on the profile's fake ones: the plan's op sequence does not hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return y if isinstance(x, FakeTensor) else y * 1.0
+
+
+def test_a_module_that_runs_other_ops_for_real_is_not_measured():
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+
+    model = nn.Sequential(block(), _OtherPathOnRealData(), block(), block(), nn.Linear(64, 1))
+    with pytest.warns(UserWarning, match=r"'1' \(RuntimeError: on synthetic inputs it ran other ops than in the "):
+        profile = profile_model(model, (torch.randn(4096, 64),), device="cpu", estimate="benchmark")
+    assert profile.modules["1"].measured_overhead == {}
+    assert all(set(profile.modules[f].measured_overhead) == {"sac", "graph"} for f in ("0", "2", "3"))
+
+
 def test_a_meta_model_is_not_measured():
     with torch.device("meta"):
         model = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 1))

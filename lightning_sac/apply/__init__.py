@@ -22,7 +22,7 @@ class PlanHandle:
         plan: The applied plan.
         backend: ``"sac"`` or ``"graph"``.
         wrappers: Per module fqn, the forward wrapper installed on it (its ``calls`` and ``mismatched_calls``
-            say how often the plan ran and how often it could not be applied).
+            say how often the plan ran and how often it could not be applied, ``last_mismatch`` what differed).
     """
 
     plan: Plan

@@ -52,6 +52,7 @@ class PlannedForward:
         self.warned = False
         self.calls = 0
         self.mismatched_calls = 0
+        self.last_mismatch: str | None = None  # what differed in the last call that ran other ops
 
     def decide(self, state: CallState, func: Any) -> CheckpointPolicy:
         """The decision for the next op of the call, ``func``."""
@@ -80,6 +81,7 @@ class PlannedForward:
             state.mismatch = f"it ran {state.index} ops, the profile has {len(self.names)}"
         if state.mismatch is not None:
             self.mismatched_calls += 1
+            self.last_mismatch = state.mismatch
             if not self.warned:
                 self.warned = True
                 warnings.warn(

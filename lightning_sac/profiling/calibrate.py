@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_sac.profiling.data import ModuleProfile
+from lightning_sac.profiling.overhead import whole_module_plan
 from lightning_sac.profiling.runtime import real_tensor
 from lightning_sac.profiling.step import tensors_of
 from lightning_sac.recompute import BACKENDS, recompute_ms
@@ -151,7 +152,6 @@ def _measure(
 ) -> dict[str, list[float]]:
     # The appliers and the knapsack import the profiler's data model: imported here to avoid a cycle.
     from lightning_sac.apply import apply_plan
-    from lightning_sac.plan import ModuleDecision, Plan
     from lightning_sac.solver.knapsack import optimal_op_policy
 
     stats = prof.op_stats
@@ -159,38 +159,34 @@ def _measure(
     twin = copy.deepcopy(module, memo={id(o): o for o in share})
     n = len(stats.func_names)
     policies = {"keep": [1] * n, "recompute": optimal_op_policy(stats, 0.0)}
+    plans = {which: whole_module_plan(stats.func_names, policy) for which, policy in policies.items()}
     configs: list[tuple[str, str]] = [("plain", "")] + [(b, p) for b in BACKENDS for p in policies]
     # Fastest whole step, and fastest backward, of each configuration.
     best = dict.fromkeys(configs, math.inf)
     best_backward = dict.fromkeys(configs, math.inf)
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     # The user's RNG stream must not move: synthetic inputs and dropout draw from the global generator.
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    # Every apply makes a new wrapper, which would warn about a mismatch once each: a mismatch raises instead.
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         args, kwargs = _materialize(spec)
         start, rounds = time.perf_counter(), -1  # round -1 warms up
         while rounds < _MIN_ROUNDS or (time.perf_counter() - start < _MIN_SECONDS and rounds < _MAX_ROUNDS):
             rounds += 1
             for backend, which in configs:
-                plan = None
                 if which:
-                    decision = ModuleDecision(
-                        discard_ratio=1.0 - sum(policies[which]) / n,
-                        op_policy=policies[which],
-                        recompute_ms=0.0,
-                        freed_bytes=0,
-                        op_names=list(stats.func_names),
-                    )
-                    plan = Plan(decisions={"": decision}, budget_bytes=0)
-                with apply_plan(twin, plan, backend=backend) if plan else contextlib.nullcontext():
+                    with apply_plan(twin, plans[which], backend=backend) as handle:
+                        took, backward = _step(twin, args, kwargs, autocast)
+                    mismatch = handle.wrappers[""].last_mismatch
+                    if mismatch is not None:
+                        # Synthetic values took another code path than the profiled step: the timings are not
+                        # of the plan.
+                        raise RuntimeError(f"on synthetic inputs it ran other ops than in the profile ({mismatch})")
+                else:
                     took, backward = _step(twin, args, kwargs, autocast)
                 if rounds:
                     best[backend, which] = min(best[backend, which], took)
                     best_backward[backend, which] = min(best_backward[backend, which], backward)
-    mismatch = [str(w.message) for w in caught if "ran other ops than the profiled ones" in str(w.message)]
-    if mismatch:
-        # Synthetic values took another code path than the profiled step: the timings are not of the plan.
-        raise RuntimeError(f"on synthetic inputs it ran other ops than in the profile: {mismatch[0]}")
     result = {}
     plain = best["plain", ""]
     for backend in BACKENDS:

@@ -195,11 +195,8 @@ def profile_step(
         prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
         prof.optimizer_state_bytes = _unique_storage_bytes(_optimizer_state(optimizer, mod_params), spec)
 
-    if estimate == "benchmark":  # timed on this host, so what wrapping costs is measured on it too
-        step_ms = sum(recorder.phase_ms.values())
-        calibrate_modules(model, modules, recorder.input_specs, step_ms, share=share, autocast_dtype=autocast_dtype)
     memory = recorder.memory
-    return ModelProfile(
+    profile = ModelProfile(
         device=spec,
         estimate=estimate,
         modules=modules,
@@ -215,10 +212,12 @@ def profile_step(
         optimizer_ms=recorder.phase_ms["optimizer"],
         input_signature=[f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)],
         timeline=recorder.timeline,
-        # Timed on this host, so only when the step is timed on it too; a GPU plan counts recompute alone.
-        backend_overhead_us=(
-            {k: [v.forward_us, v.rerun_us] for k, v in measure_backend_overheads().items()}
-            if estimate == "benchmark"
-            else {}
-        ),
     )
+    # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
+    # recompute alone.
+    if estimate == "benchmark":
+        profile.backend_overhead_us = {k: [v.forward_us, v.rerun_us] for k, v in measure_backend_overheads().items()}
+        calibrate_modules(
+            model, profile.modules, recorder.input_specs, profile.step_ms, share=share, autocast_dtype=autocast_dtype
+        )
+    return profile

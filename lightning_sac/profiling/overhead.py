@@ -15,7 +15,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,7 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_sac.profiling.ops import is_sac_ignored, op_name
 from lightning_sac.recompute import BACKENDS
 
-__all__ = ["BackendOverhead", "measure_backend_overheads"]
+if TYPE_CHECKING:
+    from lightning_sac.plan import Plan
+
+__all__ = ["BackendOverhead", "measure_backend_overheads", "whole_module_plan"]
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,23 @@ def measure_backend_overheads(n_ops: int = 64, repeats: int = 15) -> dict[str, B
     return dict(_measure(n_ops, repeats, torch.get_num_threads()))
 
 
+def whole_module_plan(op_names: list[str], policy: list[int]) -> Plan:
+    """A plan that wraps the root (``""``) of a module with ``policy``: to time a backend on one module."""
+    from lightning_sac.plan import ModuleDecision, Plan  # the plan imports the profiler's data model
+
+    decision = ModuleDecision(
+        discard_ratio=1.0 - sum(policy) / len(policy),
+        op_policy=list(policy),
+        recompute_ms=0.0,
+        freed_bytes=0,
+        op_names=list(op_names),
+    )
+    return Plan(decisions={"": decision}, budget_bytes=0)
+
+
 @functools.cache
 def _measure(n_ops: int, repeats: int, threads: int) -> tuple[tuple[str, BackendOverhead], ...]:
     from lightning_sac.apply import apply_plan  # the appliers import the profiler's data model
-    from lightning_sac.plan import ModuleDecision, Plan
 
     chain = _Chain(n_ops)
     x = torch.ones(8, requires_grad=True)
@@ -106,14 +122,7 @@ def _measure(n_ops: int, repeats: int, threads: int) -> tuple[tuple[str, Backend
     for backend in BACKENDS:
         costs = []
         for keep in (1, 0):
-            decision = ModuleDecision(
-                discard_ratio=1.0 - keep,
-                op_policy=[keep] * len(seen.names),
-                recompute_ms=0.0,
-                freed_bytes=0,
-                op_names=list(seen.names),
-            )
-            with apply_plan(chain, Plan(decisions={"": decision}, budget_bytes=0), backend=backend):
+            with apply_plan(chain, whole_module_plan(seen.names, [keep] * len(seen.names)), backend=backend):
                 costs.append(_forward_backward(chain, x, repeats))
         (keep_forward, keep_backward), (_, recompute_backward) = costs
         forward_us = max(0.0, keep_forward - plain_forward) / len(seen.names) * 1e6

@@ -252,14 +252,10 @@ def solve_plan(
         return plan
 
     h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-    per_op_us = profile.backend_overhead_us.get(backend)
+    # A profile that measured neither (a roofline one) charges no overhead: zero per op.
+    per_op_us = profile.backend_overhead_us.get(backend, [0.0, 0.0])
     measured = {c.fqn: profile.modules[c.fqn].measured_overhead.get(backend) for c in cands}
-    fixed_ms = {
-        c.fqn: fixed_overhead_ms(_op_stats(profile, c.fqn), backend, per_op_us or [0.0, 0.0], measured[c.fqn])
-        if per_op_us or measured[c.fqn]
-        else 0.0
-        for c in cands
-    }
+    fixed_ms = {c.fqn: fixed_overhead_ms(_op_stats(profile, c.fqn), backend, per_op_us, measured[c.fqn]) for c in cands}
     factor = {fqn: m[1] for fqn, m in measured.items() if m}
     y, r, rc = _build(h, cands, fixed_ms, factor)
     constant = constant_floor(constraints)
@@ -298,11 +294,7 @@ def solve_plan(
             discard_ratio=discard,
             op_policy=policy,
             recompute_ms=recompute_ms(stats, policy, backend),
-            overhead_ms=(
-                overhead_ms(stats, policy, backend, per_op_us or [0.0, 0.0], measured[fqn])
-                if per_op_us or measured[fqn]
-                else 0.0
-            ),
+            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[fqn]),
             freed_bytes=c.retained - saved,
             op_names=list(stats.func_names),
         )

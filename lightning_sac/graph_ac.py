@@ -1,12 +1,15 @@
 """Graph-based activation checkpointing: recompute only the missing ancestors of what backward unpacks.
 
-Inside a region every op is recorded as a node of a graph (the op, and its inputs as references to other
-nodes; tensors from outside the region are leaves). A node the policy saves keeps its outputs (detached);
-the others keep only how to recompute them. Tensors autograd saves for backward are packed as references to
-nodes. Unpacking realizes the node, recursively recomputing only its missing ancestors and caching them; use
-counts, taken at pack time along the same recursion, free each cached tensor as soon as its last user has
-consumed it. Unlike module-bounded checkpoints, nothing outside the needed ancestry is ever recomputed, and
-nothing is recomputed twice in one backward.
+Inside a region every op is recorded as a node of a graph (the op, its inputs as references to other nodes'
+outputs, and whether grad mode was on; tensors from outside the region are leaves). A node the policy saves
+keeps its outputs (detached); the others keep only how to recompute them. Tensors autograd saves for backward
+are packed as references to one output of a node. Freshness is per output: a saved output that an in-place op
+overwrites afterwards is stale, and only a consumer of a stale (or unsaved) output makes the node recompute;
+its other saved outputs are still served as they are. Unpacking realizes the output, recursively recomputing
+only the missing ancestors and caching them; per-output use counts, taken at pack time along the same
+recursion (and when an output that was packed goes stale), free each cached or saved tensor as soon as its last
+user has consumed it. Unlike module-bounded checkpoints, nothing outside the needed ancestry is ever
+recomputed, and nothing is recomputed twice in one backward.
 
 Policies compose: the regions' policy functions are asked outermost to innermost, starting from
 ``PREFER_SAVE``; a ``MUST_*`` answer overrides ``PREFER_*`` ones, two different ``MUST_*`` answers are an
@@ -83,12 +86,14 @@ class _Leaf:
 
 
 class _Node:
-    """One recorded op call: how to recompute it, or its saved outputs, and how many consumers still need it."""
+    """One recorded op call: how to recompute it, or its saved outputs, and how many consumers still need each."""
 
     __slots__ = (
         "args",
         "cache",
         "func",
+        "grad",
+        "held",
         "kwargs",
         "mutates",
         "recomputable",
@@ -99,17 +104,24 @@ class _Node:
         "versions",
     )
 
-    def __init__(self, func: Any, args: Any, kwargs: Any, mutates: list[int], rng: _RngState | None) -> None:
+    def __init__(
+        self, func: Any, args: Any, kwargs: Any, mutates: list[int], rng: _RngState | None, outputs: int
+    ) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.mutates = mutates  # positions of flattened args the op writes to
         self.rng = rng  # generator state before a random op, to draw the same numbers again
+        # Kernels may branch on grad mode, not only on their arguments (mkldnn_rnn_layer returns its workspace,
+        # which its backward needs, only when grad mode is on): recompute under the mode the op ran under.
+        self.grad = torch.is_grad_enabled()
         self.saved: list[torch.Tensor | None] | None = None
-        self.stale = False  # an in-place op in the region wrote to a saved output after it was saved
+        # Per output: an in-place op in the region wrote to the saved output after it was saved.
+        self.stale = [False] * outputs
         self.versions: list[int] = []  # saved outputs' versions when the region ended
         self.cache: list[torch.Tensor | None] | None = None
-        self.uses = 0
+        self.uses = [0] * outputs  # per output: consumers that will still unpack it
+        self.held = False  # a use of each input is taken, for a recompute that has not run yet
         self.recomputable = True
 
 
@@ -174,9 +186,10 @@ class _Graph:
         self.hooks: Any = None
         self.recomputes = 0  # op calls made by recompute, for tests and diagnostics
         self.recomputing = False  # a backward run inside a region must not record its recompute
-        # Nodes whose saved outputs live on each storage. Version counters cannot tell staleness inside the
-        # region: autograd bumps an in-place op's version only after the dispatch mode has returned.
-        self.saved_on: dict[int, list[_Node]] = {}
+        # (node, output index) of the saved outputs that live on each storage. Version counters cannot tell
+        # staleness inside the region: autograd bumps an in-place op's version only after the dispatch mode has
+        # returned.
+        self.saved_on: dict[int, list[tuple[_Node, int]]] = {}
 
     # ------------------------------------------------------------------ recording
     def record(self, func: Any, args: Any, kwargs: Any) -> Any:
@@ -196,19 +209,20 @@ class _Graph:
         mutates = [i for i, a in enumerate(flat_args) if isinstance(a, torch.Tensor) and id(a) in written]
 
         for i in mutates:
-            for earlier in self.saved_on.get(id(flat_args[i].untyped_storage()), []):
-                earlier.stale = True
-        node = _Node(func, _map(args, self._ref_of), _map(kwargs, self._ref_of), mutates, rng)
+            # Only the outputs on the written storage are stale: the node's others are still served as saved.
+            for earlier, index in self.saved_on.get(id(flat_args[i].untyped_storage()), []):
+                self._mark_stale(earlier, index)
+        outputs = [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
+        node = _Node(func, _map(args, self._ref_of), _map(kwargs, self._ref_of), mutates, rng, len(outputs))
         # An op writing to a tensor from outside the region (BatchNorm's running stats) must not run twice.
         if mutates:
             refs = _leaves((node.args, node.kwargs))
             node.recomputable = not any(isinstance(refs[i], _Leaf) for i in mutates)
-        outputs = [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
         if decision in _SAVE or not node.recomputable:
             node.saved = [None if o is None else o.detach() for o in outputs]
-            for o in outputs:
+            for index, o in enumerate(outputs):
                 if o is not None:
-                    self.saved_on.setdefault(id(o.untyped_storage()), []).append(node)
+                    self.saved_on.setdefault(id(o.untyped_storage()), []).append((node, index))
         for i, o in enumerate(outputs):
             if o is not None:
                 self.refs[o] = _Ref(node, i)
@@ -221,33 +235,51 @@ class _Graph:
         return ref if ref is not None else _Leaf(x)
 
     # ------------------------------------------------------------------ packing
-    def _acquire(self, node: _Node) -> None:
-        node.uses += 1
-        if node.uses == 1 and not self._fresh(node):
-            for arg in _leaves((node.args, node.kwargs)):
-                if isinstance(arg, _Ref):
-                    self._acquire(arg.node)
+    def _acquire(self, ref: _Ref) -> None:
+        node = ref.node
+        node.uses[ref.index] += 1
+        if not node.held and not self._available(node, ref.index):
+            self._hold(node)
+
+    def _hold(self, node: _Node) -> None:
+        # Once per recompute, however many of the node's outputs it serves.
+        node.held = True
+        for arg in _leaves((node.args, node.kwargs)):
+            if isinstance(arg, _Ref):
+                self._acquire(arg)
+
+    def _mark_stale(self, node: _Node, index: int) -> None:
+        node.stale[index] = True
+        # Consumers packed this output while it was fresh and took no use of the node's inputs: the recompute
+        # they now need does.
+        if node.uses[index] > 0 and not node.held:
+            self._hold(node)
 
     @staticmethod
-    def _fresh(node: _Node) -> bool:
+    def _fresh(node: _Node, index: int) -> bool:
         # A saved output mutated in place after it was saved no longer holds the value the op produced.
-        if node.saved is None or node.stale:
+        saved = node.saved[index] if node.saved is not None else None
+        if saved is None or node.stale[index]:
             return False
-        return all(s is None or s._version == v for s, v in zip(node.saved, node.versions, strict=False))
+        return index >= len(node.versions) or saved._version == node.versions[index]
+
+    @staticmethod
+    def _available(node: _Node, index: int) -> bool:
+        return _Graph._fresh(node, index) or (node.cache is not None and node.cache[index] is not None)
 
     def pack(self, tensor: torch.Tensor) -> Any:
         ref = self.refs.get(tensor)
         if ref is None:
             return tensor
-        self._acquire(ref.node)
+        self._acquire(ref)
         return ref
 
     # ------------------------------------------------------------------ unpacking
     def _compute(self, node: _Node) -> list[torch.Tensor | None]:
         if not node.recomputable:
             raise RuntimeError(
-                f"graph_ac cannot recompute {node.func}: it writes to a tensor from outside the region and its "
-                "saved output was modified in place afterwards. Save the op that modifies it."
+                f"graph_ac cannot recompute {node.func}: it writes to a tensor from outside the region and a saved "
+                "output that backward needs was modified in place afterwards. Save the op that modifies it."
             )
 
         def value(x: Any) -> Any:
@@ -259,7 +291,8 @@ class _Graph:
                         f"graph_ac cannot recompute {node.func}: its input from outside the region was modified "
                         "in place after the op read it. Save this op (return MUST_SAVE for it)."
                     )
-                return x.tensor
+                # Detached, so that running under grad mode records no autograd graph onto parameters.
+                return x.tensor.detach() if node.grad and x.tensor.requires_grad else x.tensor
             return x
 
         args, kwargs = _map(node.args, value), _map(node.kwargs, value)
@@ -271,7 +304,8 @@ class _Graph:
         self.recomputes += 1
         self.recomputing = True
         try:
-            with torch.no_grad():
+            # Inputs are detached, saved or recomputed tensors: none requires grad, so grad mode records nothing.
+            with torch.set_grad_enabled(node.grad):
                 if node.rng is not None:
                     cpu_state, cuda_states = node.rng
                     with torch.random.fork_rng(devices=list(cuda_states)):
@@ -286,20 +320,37 @@ class _Graph:
         return [o if isinstance(o, torch.Tensor) else None for o in _leaves(out)]
 
     def _realize(self, ref: _Ref) -> torch.Tensor:
-        node = ref.node
-        if self._fresh(node):
+        node, index = ref.node, ref.index
+        result: torch.Tensor | None
+        if self._fresh(node, index):
             assert node.saved is not None
-            outputs = node.saved
+            result = node.saved[index]
         else:
-            if node.cache is None:
-                node.cache = self._compute(node)
-            outputs = node.cache
-        result = outputs[ref.index]
-        assert result is not None
-        node.uses -= 1
-        if node.uses <= 0:
-            node.cache = None  # the last consumer has it: free the cached outputs
-            node.saved = None if node.uses == 0 else node.saved
+            if node.cache is None or node.cache[index] is None:
+                if not node.held:
+                    # Code after the region overwrote this saved output, or a second backward needs one already
+                    # freed: no use of the inputs was taken for it at pack time.
+                    self._hold(node)
+                outputs = self._compute(node)
+                node.held = False  # the recompute consumed its uses of the inputs
+                # Cache only the outputs consumers still need that the saved copies cannot serve.
+                node.cache = [
+                    o if i == index or (node.uses[i] > 0 and not self._fresh(node, i)) else None
+                    for i, o in enumerate(outputs)
+                ]
+            result = node.cache[index]
+        if result is None:
+            raise RuntimeError(
+                f"graph_ac: recomputing {node.func} did not produce its output {index} that backward needs."
+            )
+        node.uses[index] -= 1
+        if node.uses[index] <= 0:  # its last consumer has it: free it, the node's other outputs may live on
+            if node.cache is not None:
+                node.cache[index] = None
+                if not any(c is not None for c in node.cache):
+                    node.cache = None
+            if node.saved is not None:
+                node.saved[index] = None
         return result
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -323,8 +374,8 @@ class _Graph:
             self.mode = None
             self.refs = _Refs()
             # From here on, version counters tell whether code after the region mutates a saved output.
-            for nodes in self.saved_on.values():
-                for node in nodes:
+            for entries in self.saved_on.values():
+                for node, _ in entries:
                     if node.saved is not None and not node.versions:
                         node.versions = [-1 if t is None else t._version for t in node.saved]
             self.saved_on.clear()
@@ -390,5 +441,5 @@ class GraphCheckpointForward(PlannedForward):
 
     def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
         """Run the forward inside a graph region whose policy is :meth:`PlannedForward.decide`."""
-        with save_recompute_policy(lambda ctx, func, *a, **k: self.decide(state, func)):
+        with save_recompute_policy(lambda ctx, func, *a, **k: self.decide(state, func, a, k)):
             return self.inner(*args, **kwargs)

@@ -6,6 +6,7 @@ the same :func:`~lightning_sac.profiling.step.training_step` ran on real tensors
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_sac.profiling.step import (
     LossFn,
     OptimizerFactory,
-    check_example_inputs,
+    model_inputs,
     model_loss,
     tensors_of,
     training_step,
@@ -69,8 +70,9 @@ def unique_bytes(tensors: list[torch.Tensor]) -> int:
 
 def measure_training_step(
     model: nn.Module,
-    example_inputs: tuple[Any, ...],
+    example_inputs: tuple[Any, ...] | Mapping[str, Any],
     *,
+    example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
 ) -> MeasuredStep:
@@ -81,25 +83,26 @@ def measure_training_step(
 
     Args:
         model: A model with real weights on the CPU.
-        example_inputs: Positional inputs of ``model``.
+        example_inputs: Positional inputs of ``model`` (a tuple), or its keyword inputs (a dict).
+        example_kwargs: Keyword inputs besides positional ``example_inputs``.
         loss_fn: As for :func:`~lightning_sac.profile_model`.
         optimizer_factory: As for :func:`~lightning_sac.profile_model`.
     """
-    example_inputs = check_example_inputs(example_inputs)
+    inputs = model_inputs(example_inputs, example_kwargs)
     compute_loss = model_loss(loss_fn)
     params = list(model.parameters())
     optimizer = optimizer_factory(params) if optimizer_factory is not None else None
     if optimizer is not None:
-        training_step(model, example_inputs, compute_loss, optimizer)
+        training_step(model, inputs, compute_loss, optimizer)
     state = (
         []
         if optimizer is None
         else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     )
     grads = [p.grad for p in params if p.grad is not None]
-    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(example_inputs))
+    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        training_step(model, example_inputs, compute_loss, optimizer)
+        training_step(model, inputs, compute_loss, optimizer)
     events = [
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()

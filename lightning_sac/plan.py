@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.profiling.step import tensors_of
+from lightning_sac.profiling.step import input_signature, model_inputs
 
 __all__ = ["ModuleDecision", "Plan", "fingerprint_of", "profile_fingerprint"]
 
@@ -66,6 +67,10 @@ class Plan:
         solver_gap: Relative MIP gap of the solution.
         solver_seconds: Wall time of the solve, including trade-off fits and op policies.
         fingerprint: Hash of the model structure and input shapes the plan was made for.
+        replaces_checkpointing: Modules whose Hugging Face ``gradient_checkpointing`` flag the plan turns off
+            when applied: it replaces the model's own checkpointing (profiled with ``replace_existing=True``).
+        kv_cache_off: The profile ran the model's modules without KV caches in training (see
+            :mod:`lightning_sac.caches`), so the applied plan does too, model-wide, to run what was profiled.
     """
 
     decisions: dict[str, ModuleDecision] = field(default_factory=dict)
@@ -83,6 +88,8 @@ class Plan:
     solver_gap: float = 0.0
     solver_seconds: float = 0.0
     fingerprint: str = ""
+    replaces_checkpointing: list[str] = field(default_factory=list)
+    kv_cache_off: bool = False
 
     @property
     def budget_gb(self) -> float:
@@ -144,7 +151,15 @@ def profile_fingerprint(profile: ModelProfile) -> str:
     return _fingerprint([(fqn, m.module_type) for fqn, m in profile.modules.items()], profile.input_signature)
 
 
-def fingerprint_of(model: nn.Module, example_inputs: tuple[Any, ...]) -> str:
-    """What :func:`profile_fingerprint` gives for ``model`` profiled on ``example_inputs``, without profiling."""
+def fingerprint_of(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Mapping[str, Any],
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """What :func:`profile_fingerprint` gives for ``model`` profiled on these inputs, without profiling.
+
+    The inputs take the forms :func:`~lightning_sac.profile_model` takes: a tuple of positional inputs, a dict of
+    keyword inputs, or both.
+    """
     structure = [(fqn, type(m).__name__) for fqn, m in model.named_modules()]
-    return _fingerprint(structure, [f"{t.dtype}{list(t.shape)}" for t in tensors_of(example_inputs)])
+    return _fingerprint(structure, input_signature(model_inputs(example_inputs, example_kwargs)))

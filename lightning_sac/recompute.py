@@ -22,6 +22,8 @@ from lightning_sac.profiling.data import ModuleOpStats
 __all__ = [
     "BACKENDS",
     "check_backend",
+    "output_op",
+    "rerun_output_bytes",
     "fixed_overhead_ms",
     "overhead_ms",
     "recompute_costs",
@@ -66,10 +68,12 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
         raise ValueError(f"The policy has {len(policy)} decisions for a module of {n} ops; it must have one per op.")
     if backend == "sac" or stats.recompute_stop is None:
         return [i for i in range(_stop(stats)) if not policy[i]]
-    # An op that writes in place to a tensor from outside the module is always kept (running it twice would
-    # write twice), and a kept op later overwritten in place is missing again.
+    # An op that writes in place to a tensor from outside the module, or writes state it does not return, is
+    # always kept (running it twice would write twice), and a kept op later overwritten in place is missing again.
     kept = {i for i in range(n) if policy[i]} | {i for i, parent in stats.inplace_ops if parent == i}
-    fresh = kept - set(stats.mutated_later)
+    # A stateful op's outputs are served as saved even when one of them is overwritten later (BatchNorm's output
+    # by an in-place ReLU): graph AC tracks staleness per output, and backward needs only its statistics.
+    fresh = (kept - set(stats.mutated_later)) | set(stats.stateful_ops)
     rerun: set[int] = set()
     todo = [i for i in stats.packed_ops if i not in fresh]
     while todo:
@@ -79,6 +83,27 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
         rerun.add(i)
         todo.extend(j for j in stats.op_inputs[i] if j not in fresh and j not in rerun)
     return sorted(rerun)
+
+
+def output_op(stats: ModuleOpStats) -> int | None:
+    """Index of the module's output op: its last op that is neither a view nor in place (``None``: no such op)."""
+    skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
+    return next((i for i in range(len(stats.func_names) - 1, -1, -1) if i not in skip), None)
+
+
+def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int:
+    """Bytes of a second copy of the module's output that one backward's recompute allocates.
+
+    SAC reruns the module's code up to its early stop, which usually lies after the output op (the op that last
+    packs a tensor is the output's own matmul): a recomputed output op then makes a new output beside the one the
+    forward returned, alive until the recompute stops. The graph backend reruns only ancestors of packed tensors.
+    With ``policy`` ``None``, the output op counts as recomputed (the bound the solver plans with).
+    """
+    check_backend(backend)
+    i = output_op(stats)
+    if backend != "sac" or i is None or i >= _stop(stats) or (policy is not None and policy[i]):
+        return 0
+    return stats.memory[i]
 
 
 def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:

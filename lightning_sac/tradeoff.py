@@ -17,7 +17,7 @@ import numpy as np
 import pwlf
 
 from lightning_sac.profiling.data import ModuleOpStats
-from lightning_sac.recompute import recompute_costs
+from lightning_sac.recompute import output_op, recompute_costs
 
 __all__ = ["ModuleTradeoff", "RecomputeUnit", "effective_memory", "module_tradeoff", "recompute_units"]
 
@@ -55,8 +55,8 @@ class ModuleTradeoff:
     Attributes:
         total_memory: Sum of :func:`effective_memory`, bytes (the "100%" of discard ratios).
         total_runtime: Sum of the ops' recompute costs, ms (the "100%" of recompute fractions).
-        stored: Units that must be saved (in-place on a storage from outside the module, random ops when
-            forced, units holding no memory).
+        stored: Units that must be saved (in-place on a storage from outside the module, stateful ops, random
+            ops when forced, units holding no memory).
         order: Units in the order they are recomputed as more memory is discarded.
         curve: ``(discard fraction, recompute fraction)`` points, from ``(0, 0)`` along ``order``.
         slopes: Slope of each line of the fit.
@@ -86,20 +86,20 @@ class ModuleTradeoff:
 
 
 def effective_memory(stats: ModuleOpStats) -> list[int]:
-    """Op memory as the trade-off counts it: the module's output op is free when autograd keeps it anyway.
+    """Op memory as the trade-off counts it: the module's output op is free when its own backward keeps it.
 
-    The output op is the last op that is neither a view nor in-place. The module's output outlives its
-    forward when something downstream saves it for backward (the next layer's matmul or norm). When nothing
-    does (a ReLU that saves only its own output), keeping it in a checkpoint's cache costs its full size, as
-    measured: then it is counted like any other op.
+    The output op is the last op that is neither a view nor in place (:func:`~lightning_sac.recompute.output_op`).
+    When an op of the module saves the module's output for backward (a ReLU saves its result:
+    ``stats.output_saved_inside``), autograd keeps it until the module's backward anyway, so a checkpoint's cache
+    keeping it costs nothing. Otherwise it is counted like any other op: when only the next module saves it (a
+    residual stream read by the next norm), autograd frees it at that module's backward, earlier than the
+    checkpoint's cache would, as measured; and BatchNorm, whose cached outputs a checkpoint must keep, saves only
+    its statistics, not its output.
     """
     memory = list(stats.memory)
-    skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
-    for i in range(len(memory) - 1, -1, -1):
-        if i not in skip:
-            if i in stats.saved_autograd_ops:
-                memory[i] = 0
-            break
+    i = output_op(stats)
+    if i is not None and stats.output_saved_inside:
+        memory[i] = 0
     return memory
 
 
@@ -108,7 +108,8 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
 
     In-place ops join the op that produced the storage they mutate; all random ops form one unit, so that
     recompute replays the generator exactly; a unit is stored when it holds an in-place op on a storage from
-    outside the module, random ops with ``force_store_random``, or no memory at all.
+    outside the module, a stateful op (one that writes state it does not return, which must not run twice),
+    random ops with ``force_store_random``, or no memory at all.
     """
     n = len(stats.func_names)
     parent = list(range(n))
@@ -127,6 +128,7 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
     costs = recompute_costs(stats)
     views = set(stats.view_like_ops)
     own_storage = {op for op, head in stats.inplace_ops if op == head}
+    stateful = set(stats.stateful_ops)
     groups: dict[int, list[int]] = {}
     for i in range(n):
         if i not in views:
@@ -135,8 +137,10 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
     stored: list[RecomputeUnit] = []
     for ops in groups.values():
         unit = RecomputeUnit(tuple(ops), sum(memory[i] for i in ops), sum(costs[i] for i in ops))
-        forced = bool(own_storage.intersection(ops)) or (
-            stats.force_store_random and bool(set(stats.rand_ops) & set(ops))
+        forced = (
+            bool(own_storage.intersection(ops))
+            or bool(stateful.intersection(ops))
+            or (stats.force_store_random and bool(set(stats.rand_ops) & set(ops)))
         )
         (stored if forced or unit.memory == 0 else candidates).append(unit)
     return candidates, stored
@@ -205,7 +209,7 @@ def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff
         raise ValueError(f"n_segments must be at least 1, got {n_segments}.")
     # Identical blocks of a deep model have identical stats: they share one fit.
     key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
-    key += repr((stats.force_store_random, stats.recompute_stop, n_segments))
+    key += repr((stats.stateful_ops, stats.force_store_random, stats.recompute_stop, n_segments))
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()

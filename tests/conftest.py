@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sac import ModuleOpStats
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
+from lightning_sac.tradeoff import module_tradeoff
 
 
 @dataclass
@@ -61,3 +63,9 @@ def case(request: pytest.FixtureRequest) -> Case:
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def recompute_all_policy(stats: ModuleOpStats) -> list[int]:
+    """Every op recomputed but those a policy must save (stateful ops, in-place writes to outside storage...)."""
+    forced = {i for unit in module_tradeoff(stats).stored for i in unit.ops}
+    return [int(i in forced) for i in range(len(stats.func_names))]

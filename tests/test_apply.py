@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Case, adamw, gpt_case
+from conftest import Case, adamw, gpt_case, recompute_all_policy
 from torch import nn
 
 from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
@@ -53,7 +53,7 @@ def tight_plan(profile: ModelProfile) -> Plan:
 
 
 def recompute_everything(profile: ModelProfile) -> Plan:
-    """Every outermost candidate (below the root) checkpointed with every op recomputed."""
+    """Every outermost candidate (below the root) checkpointed with every op recomputed that may be."""
     cands = [c.fqn for c in find_candidates(profile) if c.fqn]
     top = [f for f in cands if not any(f.startswith(o + ".") for o in cands if o != f)]
     decisions = {}
@@ -61,7 +61,7 @@ def recompute_everything(profile: ModelProfile) -> Plan:
         stats = profile.modules[fqn].op_stats
         decisions[fqn] = ModuleDecision(
             discard_ratio=1.0,
-            op_policy=[0] * len(stats.func_names),
+            op_policy=recompute_all_policy(stats),
             recompute_ms=sum(stats.runtimes),
             freed_bytes=0,
             op_names=list(stats.func_names),

@@ -9,6 +9,7 @@ from lightning_sac import Plan, profile_model, solve_plan
 from lightning_sac.cli import gather_devices, main, render_devices
 from lightning_sac.demos import gpt_example
 from lightning_sac.devices import known_devices
+from lightning_sac.recompute import recompute_ms
 
 FACTORY = "lightning_sac.demos:gpt_example"
 
@@ -30,13 +31,16 @@ def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
     assert cli.predicted_recompute_ms == direct.predicted_recompute_ms
     assert f"peak {direct.predicted_peak_bytes / 2**30:.3f} GiB" in printed
     assert "world size 8 (sharded)" in printed
-    # --backend: the same choice of ops, the recompute that backend reruns.
+    # --backend: the plan for that backend (SAC's recompute also brings back a copy of a module's output, the
+    # graph backend's does not, so the choice may differ), and under one policy graph reruns no more than SAC.
     assert main([*argv, "--backend", "graph", "--json", str(path)]) == 0
     graph = Plan.from_json(path.read_text())
     direct_graph = solve_plan(profile, 6, world_size=8, sharding="sharded", backend="graph")
-    assert graph.backend == "graph" and graph.decisions == direct_graph.decisions
-    assert [d.op_policy for d in graph.decisions.values()] == [d.op_policy for d in cli.decisions.values()]
-    assert graph.predicted_recompute_ms <= cli.predicted_recompute_ms
+    assert graph.backend == "graph" and graph.decisions == direct_graph.decisions and graph.decisions
+    assert graph.predicted_peak_bytes <= graph.budget_bytes
+    for fqn, d in cli.decisions.items():
+        stats = profile.modules[fqn].op_stats
+        assert recompute_ms(stats, d.op_policy, "graph") <= d.recompute_ms
 
 
 def test_devices_command_lists_the_table():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_sac import graph_ac
@@ -18,12 +21,17 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         g = _graph()
         self.computed: list[int] = []
+        self.funcs: list[str] = []  # the recomputed ops' names
+        self.grad_outputs = 0  # recomputed outputs that require grad (none must: no graph onto parameters)
         self.events: list[str] = []
         compute, unpack = g._compute, g.unpack
 
         def spy_compute(node):  # noqa: ANN001, ANN202
             self.computed.append(id(node))
-            return compute(node)
+            self.funcs.append(str(node.func))
+            outputs = compute(node)
+            self.grad_outputs += sum(o is not None and o.requires_grad for o in outputs)
+            return outputs
 
         def spy_unpack(packed):  # noqa: ANN001, ANN202
             self.events.append("unpack")
@@ -54,13 +62,13 @@ def test_chain_recomputes_each_node_once_and_frees_everything(monkeypatch):
     g = _graph()
     x = torch.randn(1000, requires_grad=True)
     loss, nodes = _chain(g, x)
-    # Use counts taken at pack time along the recursion: B feeds C (for D) and E.
-    assert [nodes[k].uses for k in "abcde"] == [1, 2, 1, 1, 1]
+    # Use counts (per output) taken at pack time along the recursion: B feeds C (for D) and E.
+    assert [nodes[k].uses for k in "abcde"] == [[1], [2], [1], [1], [1]]
     loss.backward()
     assert sorted(spy.computed) == sorted(id(nodes[k]) for k in "abcde")
     assert len(set(spy.computed)) == len(spy.computed) == 5  # each node recomputed exactly once
     assert spy.events == ["unpack", "unpack"]
-    assert all(n.cache is None and n.uses == 0 for n in nodes.values())  # everything freed after backward
+    assert all(n.cache is None and n.uses == [0] for n in nodes.values())  # everything freed after backward
     ref = x.detach().requires_grad_()
     b = ref * 2 + 1
     (((b * 3).tanh() * 2).sum() + (b.sigmoid() * 3).sum()).backward()
@@ -82,7 +90,7 @@ def test_a_is_freed_before_e_is_unpacked(monkeypatch):
     monkeypatch.setattr(g, "_realize", spy)
     loss.backward()
     # When E is realized, D is done, A is already gone and B is still cached for E.
-    assert seen == [(True, True, 0)]
+    assert seen == [(True, True, [0])]
 
 
 def test_nested_must_save_inside_recompute_all_saves_the_inner_ops():
@@ -143,3 +151,139 @@ def test_random_ops_recompute_the_same_numbers_and_unknown_shortcuts_are_refused
     with pytest.raises(ValueError, match="Unknown policy shortcut 'save_some'"), save_recompute_policy("save_some"):
         pass
     assert graph_ac.recompute_count() > 0
+
+
+def _assert_matches_plain(model: nn.Module, inputs: tuple[torch.Tensor, ...], policy) -> None:  # noqa: ANN001
+    """Run a copy of ``model`` plainly and ``model`` under ``policy``, from the same seed (dropout draws the same
+    masks): the loss, every parameter's gradient and every buffer agree."""
+    plain = copy.deepcopy(model)
+    torch.manual_seed(1)
+    expected = plain(*inputs).float().logsumexp(-1).mean()
+    expected.backward()
+    torch.manual_seed(1)
+    with save_recompute_policy(policy):
+        out = model(*inputs)
+    loss = out.float().logsumexp(-1).mean()
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(
+        {n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in plain.named_parameters()}
+    )
+    torch.testing.assert_close(dict(model.named_buffers()), dict(plain.named_buffers()))
+
+
+class _LSTMLM(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, d, layers, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.emb(ids))
+        return self.head(h)
+
+
+def _recompute_rnn_layers(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    return P.MUST_RECOMPUTE if "rnn" in str(func) else P.MUST_SAVE
+
+
+@pytest.mark.parametrize("policy", ["recompute_all", "must_save_all", _recompute_rnn_layers])
+def test_lstm_matches_the_plain_model(monkeypatch, policy):
+    # On CPU each layer is one aten.mkldnn_rnn_layer, whose kernel returns the workspace its backward needs
+    # (output 3) only when grad mode is on, whatever its `train` argument: recomputed under no_grad it was None.
+    spy = Spy(monkeypatch)
+    torch.manual_seed(0)
+    model, ids = _LSTMLM(), torch.randint(0, 64, (4, 12))
+    _assert_matches_plain(model, (ids,), policy)
+    rnn_recomputes = sum("rnn" in f for f in spy.funcs)
+    if policy == "must_save_all":
+        assert spy.funcs == []
+    elif torch.backends.mkldnn.is_available():
+        assert rnn_recomputes == 2  # each layer once
+    assert spy.grad_outputs == 0  # recomputed under grad mode, still no autograd graph built
+
+
+class _StatsThenInplace(nn.Module):
+    """A linear layer, then batch norm as one op that updates running stats held outside the region (its schema
+    declares the writes, so the op must never run twice), then ``ReLU(inplace=True)`` overwriting the op's first
+    output. The op's backward needs only its other outputs (mean and inverse std), and its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.register_buffer("running_mean", torch.zeros(8))
+        self.register_buffer("running_var", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _, _ = torch.ops.aten._native_batch_norm_legit(
+            self.lin(x), self.weight, self.bias, self.running_mean, self.running_var, True, 0.1, 1e-5
+        )
+        return nn.functional.relu(y, inplace=True) * 2
+
+
+def _save_relu(ctx, func, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    return func is torch.ops.aten.relu_.default
+
+
+@pytest.mark.parametrize("policy", ["must_save_all", _save_relu])
+def test_an_output_overwritten_in_place_does_not_make_the_others_stale(monkeypatch, policy):
+    spy = Spy(monkeypatch)
+    g = _graph()
+    record = g.record
+    stats_nodes = []
+
+    def spy_record(func, args, kwargs):  # noqa: ANN001, ANN202
+        out = record(func, args, kwargs)
+        if func is torch.ops.aten._native_batch_norm_legit.default:
+            stats_nodes.append(g.refs[out[1]].node)
+        return out
+
+    monkeypatch.setattr(g, "record", spy_record)
+    torch.manual_seed(0)
+    before = graph_ac.recompute_count()
+    _assert_matches_plain(_StatsThenInplace(), (torch.randn(16, 8),), policy)
+    [node] = stats_nodes
+    assert not node.recomputable and node.stale == [True, False, False]
+    assert "_native_batch_norm_legit" not in str(spy.funcs)  # mean and inverse std served as saved
+    assert node.uses == [0, 0, 0] and node.saved is not None
+    assert node.saved[1] is None and node.saved[2] is None  # consumed: freed
+    if policy == "must_save_all":
+        assert graph_ac.recompute_count() == before
+    else:
+        assert spy.funcs == ["aten.addmm.default", "aten.t.default"]  # the op's input, for its backward
+
+
+def test_a_stale_output_that_backward_needs_still_cannot_be_recomputed_from_outside_writes():
+    # With ReLU's output not saved, recomputing ReLU needs the op's first output, which ReLU overwrote.
+    torch.manual_seed(0)
+    model = _StatsThenInplace()
+    with save_recompute_policy("recompute_all"):
+        loss = model(torch.randn(16, 8)).sum()
+    with pytest.raises(RuntimeError, match="cannot recompute aten._native_batch_norm_legit"):
+        loss.backward()
+
+
+def test_an_output_overwritten_after_it_was_packed_recomputes_once_and_counts_uses(monkeypatch):
+    spy = Spy(monkeypatch)
+    g = _graph()
+    x = torch.randn(4, 6, requires_grad=True)
+    with save_recompute_policy(lambda ctx, f, *a, **k: f is torch.ops.aten.var_mean.correction):
+        h = x * 3
+        v, m = torch.var_mean(h, dim=1)
+        a, b = v.sin(), m.cos()  # sin packs v and cos packs m while both are fresh
+        node, h_node = g.refs[v].node, g.refs[h].node
+        assert not node.held
+        v.mul_(2)  # v is stale now: sin's backward needs var_mean recomputed, hence h
+        assert node.stale == [True, False] and node.held
+        loss = (a + b + v).sum()
+    assert h_node.uses == [2]  # var_mean's backward and var_mean's recompute
+    loss.backward()
+    assert spy.funcs == ["aten.var_mean.correction", "aten.mul.Tensor"]  # once each; m served as saved
+    assert node.uses == [0, 0] and h_node.uses == [0] and node.cache is None and h_node.cache is None
+    ref = x.detach().requires_grad_()
+    rv, rm = torch.var_mean(ref * 3, dim=1)
+    (rv.sin() + rm.cos() + 2 * rv).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)

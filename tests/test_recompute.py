@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CASES, Case, adamw
+from conftest import CASES, Case, adamw, recompute_all_policy
 from test_op_stats import _stats
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,9 +105,13 @@ def _plan(kind: str, profile: ModelProfile) -> Plan:
     top = [f for f in cands if not any(f.startswith(o + ".") for o in cands if o != f)]
     decisions = {}
     for fqn in top:
-        names = profile.modules[fqn].op_stats.func_names
+        stats = profile.modules[fqn].op_stats
         decisions[fqn] = ModuleDecision(
-            discard_ratio=1.0, op_policy=[0] * len(names), recompute_ms=0.0, freed_bytes=0, op_names=list(names)
+            discard_ratio=1.0,
+            op_policy=recompute_all_policy(stats),
+            recompute_ms=0.0,
+            freed_bytes=0,
+            op_names=list(stats.func_names),
         )
     return Plan(decisions=decisions, budget_bytes=0)
 

@@ -55,7 +55,9 @@ def module(
         func_names=[f"op{i}" for i in range(len(runtimes))],
         runtimes=runtimes,
         memory=[int(x * MIB) for x in memory_mib],
-        saved_autograd_ops=[len(runtimes) - 1],  # the output is saved downstream: keeping it is free
+        saved_autograd_ops=[len(runtimes) - 1],
+        packed_ops=[len(runtimes) - 1],
+        output_saved_inside=True,  # the module's own backward keeps its output: keeping it is free
     )
     return m
 

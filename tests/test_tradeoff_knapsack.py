@@ -17,7 +17,9 @@ def toy(force_store_random: bool = False) -> ModuleOpStats:
         memory=[100, 0, 100, 0, 50, 200, 50, 100],
         view_like_ops=[1],
         rand_ops=[4, 6],
-        saved_autograd_ops=[0, 2, 5, 7],  # 7, the output, is saved downstream
+        saved_autograd_ops=[0, 2, 5, 7],
+        packed_ops=[0, 2, 5, 7],
+        output_saved_inside=True,  # 7, the output, is saved by the module's own backward
         inplace_ops=[(3, 2)],
         force_store_random=force_store_random,
     )
@@ -35,11 +37,18 @@ OPTIMAL = {
 }
 
 
-def test_effective_memory_zeroes_the_modules_output_op_when_autograd_keeps_it():
+def test_effective_memory_zeroes_the_modules_output_op_when_its_own_backward_keeps_it():
     assert effective_memory(toy()) == [100, 0, 100, 0, 50, 200, 50, 0]
     unsaved = toy()
-    unsaved.saved_autograd_ops = [0, 2, 5]  # nothing downstream keeps the output: caching it costs memory
+    unsaved.saved_autograd_ops = unsaved.packed_ops = [0, 2, 5]  # nothing keeps the output: caching it costs memory
+    unsaved.output_saved_inside = False
     assert effective_memory(unsaved) == [100, 0, 100, 0, 50, 200, 50, 100]
+    downstream = toy()
+    # Only the next module saves it: autograd frees it at that module's backward, before this module's, but a
+    # checkpoint's cache would keep it until this module's backward, so caching it costs its size.
+    downstream.packed_ops = [0, 2, 5]
+    downstream.output_saved_inside = False
+    assert effective_memory(downstream) == [100, 0, 100, 0, 50, 200, 50, 100]
 
 
 def test_greedy_order_and_curve():

@@ -7,7 +7,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sac.apply.planned import Notices
 from lightning_sac.apply.sac import SelectiveCheckpointForward
+from lightning_sac.caches import CacheCall, CacheSwitch
 from lightning_sac.plan import Plan
 from lightning_sac.recompute import check_backend
 
@@ -29,13 +31,21 @@ class PlanHandle:
     backend: str
     wrappers: dict[str, Any] = field(default_factory=dict)
     _modules: dict[str, nn.Module] = field(default_factory=dict, repr=False)
+    _flags_off: list[nn.Module] = field(default_factory=list, repr=False)
+    _caches: CacheSwitch | None = field(default=None, repr=False)
 
     def remove(self) -> None:
-        """Restore every wrapped module's own forward. Safe to call twice."""
+        """Restore every wrapped module's own forward, the checkpointing flags the plan turned off, and caches."""
         for fqn, module in self._modules.items():
             if module.__dict__.get("forward") is self.wrappers[fqn]:
                 del module.forward
         self._modules.clear()
+        for module in self._flags_off:
+            module.__dict__["gradient_checkpointing"] = True
+        self._flags_off.clear()
+        if self._caches is not None:
+            self._caches.__exit__(None, None, None)
+            self._caches = None
 
     def __enter__(self) -> PlanHandle:
         return self
@@ -44,11 +54,28 @@ class PlanHandle:
         self.remove()
 
 
+def _said_caches_off(notices: Notices, fqn: str, call: CacheCall) -> None:
+    notices.warn(
+        "kv-cache",
+        f"lightning-sac: while the plan is applied the model trains with use_cache=False and without KV caches "
+        f"(module {fqn or '<root>'!r} was called with {' and '.join(call.switched_off)} on), as Hugging Face's "
+        "gradient checkpointing does: recomputing a layer would update its cache a second time, and the plan was "
+        "profiled so. The loss is the same; the model returns no cache in training. Set "
+        "model.config.use_cache = False to silence this. (Warned once.)",
+    )
+
+
 def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> PlanHandle:
     """Checkpoint ``model``'s planned modules with the plan's per-op decisions; ``handle.remove()`` restores it.
 
     Each planned module's ``forward`` is wrapped in place, so parameters, module names and ``state_dict`` keys
-    do not change. Apply the plan to the bare model *before* wrapping it with ``DistributedDataParallel`` or
+    do not change. A plan that replaces the model's own Hugging Face checkpointing
+    (:attr:`Plan.replaces_checkpointing`) turns those ``gradient_checkpointing`` flags off; ``remove()`` turns
+    them back on. A plan profiled without KV caches (:attr:`Plan.kv_cache_off`) runs the model without them in
+    training, as profiled and as Hugging Face's own checkpointing does (:mod:`lightning_sac.caches`), and says so
+    once; ``remove()`` ends that too.
+
+    Apply the plan to the bare model *before* wrapping it with ``DistributedDataParallel`` or
     sharding it with FSDP2's ``fully_shard`` (the order torchtitan uses): the wrappers then run inside DDP's
     and FSDP's hooks, and FSDP re-gathers parameters for the recompute in backward as it does for backward.
 
@@ -66,7 +93,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
     backend = plan.backend if backend is None else backend
     check_backend(backend)
     modules = dict(model.named_modules())
-    missing = [fqn for fqn in plan.decisions if fqn not in modules]
+    missing = [fqn for fqn in [*plan.decisions, *plan.replaces_checkpointing] if fqn not in modules]
     if missing:
         raise ValueError(
             f"The plan checkpoints modules this model does not have: {missing}. Was it made for another model "
@@ -79,14 +106,21 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
                 "Call handle.remove() on the previous plan first."
             )
     handle = PlanHandle(plan=plan, backend=backend)
+    for fqn in plan.replaces_checkpointing:
+        if getattr(modules[fqn], "gradient_checkpointing", None) is True:
+            modules[fqn].__dict__["gradient_checkpointing"] = False
+            handle._flags_off.append(modules[fqn])
+    notices = Notices()
+    if plan.kv_cache_off:
+        handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
     for fqn, decision in plan.decisions.items():
         module = modules[fqn]
         if backend == "sac":
-            wrapper: Any = SelectiveCheckpointForward(module, fqn, decision)
+            wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
         else:
             from lightning_sac.graph_ac import GraphCheckpointForward
 
-            wrapper = GraphCheckpointForward(module, fqn, decision)
+            wrapper = GraphCheckpointForward(module, fqn, decision, notices)
         module.__dict__["forward"] = wrapper
         handle.wrappers[fqn] = wrapper
         handle._modules[fqn] = module

@@ -10,18 +10,47 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from lightning_sac.caches import layer_indices, without_kv_caches
 from lightning_sac.plan import ModuleDecision
-from lightning_sac.profiling.ops import op_name
+from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors, op_name
 
-__all__ = ["CallState", "PlannedForward"]
+__all__ = ["CallState", "Notices", "PlannedForward"]
+
+
+class Notices:
+    """Warnings shared by the wrappers of one applied plan: each is given once, not once per module or step."""
+
+    def __init__(self) -> None:
+        self.given: set[str] = set()
+
+    def warn(self, key: str, message: str) -> None:
+        """Warn with ``message`` unless a warning under ``key`` was given already."""
+        if key not in self.given:
+            self.given.add(key)
+            warnings.warn(message, stacklevel=4)
+
+
+def _storages(x: Any) -> set[int]:
+    return {id(t.untyped_storage()) for t in flat_tensors(x)}
 
 
 class CallState:
-    """Where one forward call is in the planned op sequence; a fresh one per call."""
+    """Where one forward call is in the planned op sequence; a fresh one per call.
+
+    Attributes:
+        index: Ops decided so far.
+        mismatch: What first differed from the profiled ops, once something did.
+        random_saved: Whether the call's random ops are saved (the first one's decision; all follow it).
+        saved: Storages of the outputs of the ops saved so far (known when the backend passes outputs).
+        made: Storages of the outputs of every op so far (likewise).
+    """
 
     def __init__(self) -> None:
         self.index = 0
         self.mismatch: str | None = None
+        self.random_saved: bool | None = None
+        self.saved: set[int] = set()
+        self.made: set[int] = set()
 
 
 class PlannedForward:
@@ -29,42 +58,93 @@ class PlannedForward:
 
     Op ``i`` of a call (counting the ops ``torch.utils.checkpoint`` does not ignore, as the profiler did) is
     ``MUST_SAVE`` when the plan saves it and ``PREFER_RECOMPUTE`` otherwise. When the call runs another op than
-    the profiled one at some index, or another number of ops (another code path), every op from there on is
-    saved and a warning names the module once. Subclasses run the forward under their backend.
+    the profiled one at some index, or another number of ops (another code path), a warning names the module
+    once, and from that op on the call keeps no more than plain autograd would: every op is recomputed except
+    those that must not run twice or must stay consistent with what was saved (:meth:`fallback`).
+
+    In training, a call with an empty KV cache runs without it (``use_cache=False``), as Hugging Face's
+    checkpointing does, and one with a cache that already holds tokens runs plainly, unplanned, said once (see
+    :mod:`lightning_sac.caches`). Subclasses run the forward under their backend.
 
     Args:
         module: The module whose forward is wrapped.
         fqn: Its name in the model, for messages.
         decision: The plan's decision for it.
+        notices: The applied plan's shared warnings (a fresh one when not given).
     """
 
-    def __init__(self, module: nn.Module, fqn: str, decision: ModuleDecision) -> None:
+    def __init__(self, module: nn.Module, fqn: str, decision: ModuleDecision, notices: Notices | None = None) -> None:
         if len(decision.op_names) != len(decision.op_policy):
             raise ValueError(
                 f"The plan's decision for {fqn!r} has {len(decision.op_policy)} op decisions but "
                 f"{len(decision.op_names)} op names; re-create the plan with this version of lightning-sac."
             )
         self.fqn = fqn
+        self.module = module
         self.names = list(decision.op_names)
         self.save = [bool(x) for x in decision.op_policy]
         # The class's forward, bound to the module: an instance attribute "forward" would recurse.
         self.inner: Callable[..., Any] = type(module).forward.__get__(module)
+        self.notices = notices or Notices()
+        self.layers = layer_indices(module)
         self.warned = False
         self.calls = 0
         self.mismatched_calls = 0
         self.last_mismatch: str | None = None  # what differed in the last call that ran other ops
 
-    def decide(self, state: CallState, func: Any) -> CheckpointPolicy:
-        """The decision for the next op of the call, ``func``."""
+    def decide(
+        self,
+        state: CallState,
+        func: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        output: Any = None,
+    ) -> CheckpointPolicy:
+        """The decision for the next op of the call, ``func`` with its arguments (and its output, for SAC)."""
         i = state.index
         state.index += 1
         if state.mismatch is None:
             expected = self.names[i] if i < len(self.names) else "the end of the profiled ops"
             if op_name(func) != expected:
                 state.mismatch = f"op {i} is {op_name(func)}, the profile has {expected}"
-        if state.mismatch is not None or self.save[i]:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        kwargs = kwargs or {}
+        if state.mismatch is None:
+            save = self.save[i]
+            if state.random_saved is None and is_random(func, args, kwargs):
+                state.random_saved = save
+        else:
+            save = self.fallback(state, func, args, kwargs, output)
+        if output is not None:
+            made = _storages(output)
+            state.made |= made
+            if save:
+                state.saved |= made
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    @staticmethod
+    def fallback(state: CallState, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> bool:
+        """Whether to save an op after the call left the plan: only what recompute could not reproduce.
+
+        Saved: an op that writes a tensor it does not return (BatchNorm's running statistics) or, with
+        ``output`` known, an in-place op on a saved tensor or on one from outside the call (a recompute would
+        write it twice), and random ops as the call's first random op was decided (a recompute replays the
+        generator only for the random ops it reruns, so all must be alike). Everything else is recomputed,
+        which keeps less than plain autograd would.
+        """
+        written = {id(t.untyped_storage()) for t in mutated_tensors(func, args, kwargs)}
+        if written:
+            if output is None:
+                return True  # the graph backend keeps a written tensor's node itself; saving it adds no storage
+            if written - _storages(output):
+                return True  # it writes state it does not return
+            # Saved when a recompute would write a saved tensor, or one from outside the call, a second time;
+            # recomputed with its tensor when that is recomputed.
+            return bool(written & state.saved or written - state.made)
+        if is_random(func, args, kwargs):
+            if state.random_saved is None:
+                state.random_saved = False
+            return state.random_saved
+        return False
 
     def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
         """Run the forward under the backend, asking :meth:`decide` about each op."""
@@ -74,9 +154,18 @@ class PlannedForward:
         """Run the module's forward with the plan; plainly without grad (evaluation)."""
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
+        call = without_kv_caches(self.module, args, kwargs, self.layers)
+        if call.holds_tokens:
+            self.notices.warn(
+                f"tokens:{self.fqn}",
+                f"lightning-sac: module {self.fqn!r} was called with a KV cache that already holds tokens "
+                f"({', '.join(call.holds_tokens)}); recomputing it would update that cache twice, so such calls run "
+                "without the plan (its memory is not saved). (Warned once.)",
+            )
+            return self.inner(*args, **kwargs)
         self.calls += 1
         state = CallState()
-        out = self.run(state, *args, **kwargs)
+        out = self.run(state, *call.args, **call.kwargs)
         if state.mismatch is None and state.index != len(self.names):
             state.mismatch = f"it ran {state.index} ops, the profile has {len(self.names)}"
         if state.mismatch is not None:
@@ -86,9 +175,10 @@ class PlannedForward:
                 self.warned = True
                 warnings.warn(
                     f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({state.mismatch}), "
-                    "so its planned policy did not hold for that call: ops from the first difference on were "
-                    "saved, and it freed less memory than planned. This happens when the code path differs from "
-                    "the example the plan was made for. (Warned once.)",
+                    "so its planned policy did not hold for that call: from the first difference on, its ops were "
+                    "recomputed (those that must not run twice were saved), which keeps no more memory than "
+                    "without a plan but recomputes more. This happens when the code path differs from the example "
+                    "the plan was made for. (Warned once.)",
                     stacklevel=2,
                 )
         return out

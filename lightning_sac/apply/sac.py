@@ -31,7 +31,8 @@ class SelectiveCheckpointForward(PlannedForward):
             # saved in-place ops (dropout's bernoulli_ on empty_like's output); on recompute both return the
             # cached, final value and nothing is applied twice.
             return create_selective_checkpoint_contexts(
-                lambda ctx, func, *a, **k: self.decide(state, func), allow_cache_entry_mutation=True
+                lambda ctx, func, *a, **k: self.decide(state, func, a, k, ctx.op_output),
+                allow_cache_entry_mutation=True,
             )
 
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)

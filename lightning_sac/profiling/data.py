@@ -83,6 +83,13 @@ class ModuleOpStats:
         recompute_stop: How many of the module's ops had run when autograd saved its last tensor in the
             module's forward. A checkpoint's recompute stops there; ``None`` (a profile from an older version)
             means unknown: all ops.
+        stateful_ops: Indices of ops that write to a tensor that is not among their outputs (BatchNorm's running
+            statistics in training, found by what the op really writes: see
+            :func:`lightning_sac.profiling.ops.mutated_tensors`). Running one twice would update that state
+            twice, so they are always saved, never recomputed.
+        output_saved_inside: Whether autograd saved the module's output for a backward of the module's own ops
+            (a ReLU saves its result): then a checkpoint's cache keeping it costs nothing (see
+            :func:`lightning_sac.tradeoff.effective_memory`).
     """
 
     func_names: list[str] = field(default_factory=list)
@@ -97,6 +104,8 @@ class ModuleOpStats:
     packed_ops: list[int] = field(default_factory=list)
     mutated_later: list[int] = field(default_factory=list)
     recompute_stop: int | None = None
+    stateful_ops: list[int] = field(default_factory=list)
+    output_saved_inside: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:
@@ -125,11 +134,17 @@ class ModuleProfile:
         forward_ms: Estimated forward time, children included, ms.
         backward_ms: Estimated backward time, children included, ms.
         calls: How many times ``forward`` ran in the step (memory and op stats are of the first call).
-        op_stats: For non-leaf modules, the ops of the first forward call.
+        op_stats: The ops of the first forward call: for non-leaf modules, and for leaf modules with parameters
+            that run several ops that allocate memory (``nn.LSTM``).
         measured_overhead: Per checkpoint backend, ``[fixed_ms, recompute_factor]``: what wrapping the module
             cost when a copy of it ran for real on this CPU (see :mod:`lightning_sac.profiling.calibrate`).
             Only with ``estimate="benchmark"``, and only for the modules that could be measured; the others use
             :attr:`ModelProfile.backend_overhead_us`.
+        freed_inputs: ``[timeline index, bytes]`` of each input storage of the first call that the plain step
+            frees after the module's forward and before its backward is over (the index of the timeline interval
+            it is freed in). A checkpoint keeps its region's inputs until its backward is over, so checkpointing
+            the module keeps these alive from then on (for an input nothing else saved: a ReLU-first region, an fp32
+            tensor a region under autocast reads only in half precision).
     """
 
     fqn: str
@@ -147,6 +162,7 @@ class ModuleProfile:
     calls: int = 0
     op_stats: ModuleOpStats | None = None
     measured_overhead: dict[str, list[float]] = field(default_factory=dict)
+    freed_inputs: list[list[int]] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -207,6 +223,19 @@ class ModelProfile:
             mode adds per op of a wrapped module (see :mod:`lightning_sac.profiling.overhead`). Measured with
             ``estimate="benchmark"`` only; empty otherwise, and then plans count recompute alone. A module
             with :attr:`ModuleProfile.measured_overhead` is charged that instead.
+        checkpointed_modules: Outermost modules whose forward ran inside the model's own
+            ``torch.utils.checkpoint`` (see :mod:`lightning_sac.profiling.own_checkpoints`).
+        checkpoint_callers: Modules in whose forward one of the model's own checkpoint regions began. The
+            planner checkpoints no module that is, contains or lies inside one of these or of
+            :attr:`checkpointed_modules`.
+        checkpointing_flags: Modules whose Hugging Face ``gradient_checkpointing`` flag was on in the profiled
+            step (``model.gradient_checkpointing_enable()``).
+        replaced_checkpointing: Modules whose ``gradient_checkpointing`` flag the dry run turned off because the
+            plan is to replace the model's own checkpointing (``replace_existing=True``); a plan made from this
+            profile turns them off when applied.
+        kv_cache_off: Modules called with a KV cache in training, which the dry run ran without it, as a
+            planned module runs (see :mod:`lightning_sac.caches`).
+        kv_cache_with_tokens: Modules called with a KV cache that already held tokens; never checkpointed.
     """
 
     device: DeviceSpec
@@ -225,6 +254,12 @@ class ModelProfile:
     input_signature: list[str] = field(default_factory=list)
     timeline: list[TimelineEvent] = field(default_factory=list)
     backend_overhead_us: dict[str, list[float]] = field(default_factory=dict)
+    checkpointed_modules: list[str] = field(default_factory=list)
+    checkpoint_callers: list[str] = field(default_factory=list)
+    checkpointing_flags: list[str] = field(default_factory=list)
+    replaced_checkpointing: list[str] = field(default_factory=list)
+    kv_cache_off: list[str] = field(default_factory=list)
+    kv_cache_with_tokens: list[str] = field(default_factory=list)
 
     @property
     def step_ms(self) -> float:

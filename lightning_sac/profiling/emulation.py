@@ -17,7 +17,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaAttentionEmulation", "cpu_workspace_bytes", "fake_copy", "fake_inputs"]
+from lightning_sac.profiling.cpu_kernels import rnn_layer_memory
+
+__all__ = ["CudaAttentionEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
 
 aten = torch.ops.aten
 
@@ -47,18 +49,6 @@ def fake_copy(model: nn.Module, mode: FakeTensorMode, device: str, *, share: Ite
     for b in model.buffers():
         memo[id(b)] = _fake_like(b, mode, device)
     return copy.deepcopy(model, memo)
-
-
-def fake_inputs(x: Any, mode: FakeTensorMode, device: str) -> Any:
-    """Replace every tensor in a nested structure of tuples, lists and dicts by a fake one."""
-    if isinstance(x, torch.Tensor):
-        fake = _fake_like(x, mode, device)
-        return fake.requires_grad_(x.requires_grad) if x.is_floating_point() else fake
-    if isinstance(x, dict):
-        return {k: fake_inputs(v, mode, device) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(fake_inputs(v, mode, device) for v in x)
-    return x
 
 
 def _cuda_sdpa(
@@ -127,8 +117,22 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     oneDNN's convolution backward holds two input-sized buffers at once (the input copied into its own layout
     and the gradient of the input before it is reordered back); torch.profiler's allocator events of a real
-    step show them, and on small conv nets they are the step's peak.
+    step show them, and on small conv nets they are the step's peak. oneDNN's LSTM layer forward and backward
+    hold scratch buffers measured on the kernel (:mod:`lightning_sac.profiling.cpu_kernels`).
     """
     if func is aten.convolution_backward.default:
         return 2 * _nbytes(args[1])
+    rnn = rnn_layer_memory(func, args, kwargs)
+    if rnn is not None:
+        return rnn.forward_scratch if func is aten.mkldnn_rnn_layer.default else rnn.backward_scratch
     return 0
+
+
+def cpu_output_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:
+    """Bytes of the outputs whose fake kernel has another size than the CPU kernel, by output position.
+
+    oneDNN's LSTM layer returns its training workspace, which backward reads, as its fourth output; the fake
+    kernel returns it empty (see :mod:`lightning_sac.profiling.cpu_kernels`).
+    """
+    rnn = rnn_layer_memory(func, args, kwargs)
+    return {3: rnn.workspace_bytes} if rnn is not None and func is aten.mkldnn_rnn_layer.default else {}

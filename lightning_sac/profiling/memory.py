@@ -33,11 +33,18 @@ class LiveMemory:
     Args:
         round_bytes: Maps a storage's size to what the target allocator reserves for it.
         location: Called at each new peak to say where the step is (e.g. ``"backward:blocks.0"``).
+        on_free: Called with a storage's key (its ``id``) and counted bytes when it is freed.
     """
 
-    def __init__(self, round_bytes: Callable[[int], int], location: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        round_bytes: Callable[[int], int],
+        location: Callable[[], str],
+        on_free: Callable[[int, int], None] | None = None,
+    ) -> None:
         self._round = round_bytes
         self._location = location
+        self._on_free = on_free
         self._live: dict[int, tuple[str, int]] = {}
         # The weak references must outlive the storages for their callbacks to fire.
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -52,12 +59,15 @@ class LiveMemory:
         """Whether ``storage`` is already counted."""
         return id(storage) in self._live
 
-    def track(self, storage: torch.UntypedStorage, category: str) -> int:
-        """Count ``storage`` under ``category`` if it is new; return the bytes added (0 if already live)."""
+    def track(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> int:
+        """Count ``storage`` under ``category`` if it is new; return the bytes added (0 if already live).
+
+        ``nbytes`` is the storage's real size where it differs from the (fake) storage's own.
+        """
         key = id(storage)
         if key in self._live:
             return 0
-        nbytes = self._round(storage.nbytes())
+        nbytes = self._round(storage.nbytes() if nbytes is None else nbytes)
         self._live[key] = (category, nbytes)
         # id() is only unique while the object lives; the callback drops the key before it can be reused.
         self._refs[key] = weakref.ref(storage, functools.partial(self._on_collected, key))
@@ -97,6 +107,8 @@ class LiveMemory:
         del self._refs[key]
         self.current[category] -= nbytes
         self.total -= nbytes
+        if self._on_free is not None:
+            self._on_free(key, nbytes)
 
     def _update_peaks(self) -> None:
         if self.total > self.peak.peak_total:

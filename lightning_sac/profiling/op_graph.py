@@ -32,6 +32,7 @@ class OpRecord:
     outputs: tuple[tuple[int, int], ...]  # (storage id, serial) of each output, to match saved storages
     inputs: tuple[int, ...]  # the ops whose output tensors this op reads
     storage_roots: tuple[int, ...]  # per output, the op that created its storage; -1: from outside
+    stateful: bool = False  # writes a tensor that is not among its outputs (BatchNorm's running statistics)
 
 
 class OpGraph:
@@ -39,9 +40,9 @@ class OpGraph:
 
     def __init__(self) -> None:
         self.ops: list[OpRecord] = []
-        # (ops run when autograd packed a tensor, the ops that made it). An op's inputs are packed before
-        # it runs and its outputs after, so the count says exactly which ops a recompute must have run.
-        self.packs: list[tuple[int, tuple[int, ...]]] = []
+        # (ops run when autograd packed a tensor, the ops that made it, its storage's key). An op's inputs are
+        # packed before it runs and its outputs after, so the count says exactly which ops a recompute must have run.
+        self.packs: list[tuple[int, tuple[int, ...], tuple[int, int]]] = []
         self._made_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ops that last wrote it
 
     def makers(self, tensors: list[torch.Tensor]) -> tuple[int, ...]:
@@ -61,9 +62,9 @@ class OpGraph:
         for t in outputs:
             self._made_by[t] = (index,)
 
-    def pack(self, tensor: torch.Tensor) -> None:
-        """Autograd saved ``tensor`` for backward."""
-        self.packs.append((len(self.ops), self.makers([tensor])))
+    def pack(self, tensor: torch.Tensor, key: tuple[int, int]) -> None:
+        """Autograd saved ``tensor`` (its storage's ``key``) for backward."""
+        self.packs.append((len(self.ops), self.makers([tensor]), key))
 
     def module_stats(
         self,
@@ -71,6 +72,7 @@ class OpGraph:
         pack_range: tuple[int, int],
         saved: set[tuple[int, int]],
         force_store_random: bool,
+        output_keys: set[tuple[int, int]] | None = None,
     ) -> ModuleOpStats:
         """The op stats of one module call.
 
@@ -79,6 +81,7 @@ class OpGraph:
             pack_range: The packs made during the call, ``[start, end)`` in :attr:`packs`.
             saved: Keys of every storage autograd saved during the step's forward.
             force_store_random: Whether the module received no tensor inputs.
+            output_keys: Keys of the storages of the call's output.
         """
         start, end = op_range
         ops = self.ops[start:end]
@@ -95,6 +98,8 @@ class OpGraph:
                 stats.view_like_ops.append(i)
             if op.rand:
                 stats.rand_ops.append(i)
+            if op.stateful:
+                stats.stateful_ops.append(i)
             if op.outputs and all(k in saved for k in op.outputs):
                 stats.saved_autograd_ops.append(i)
             if op.inplace_parent is not None:
@@ -108,6 +113,8 @@ class OpGraph:
             if any(last_write.get(r, -1) > i for r in op.storage_roots if r >= 0):
                 stats.mutated_later.append(i)
         packs = self.packs[pack_range[0] : pack_range[1]]
-        stats.packed_ops = sorted({j for _, made in packs for j in map(local, made) if j is not None})
-        stats.recompute_stop = min(max((count - start for count, _ in packs), default=0), len(ops))
+        stats.packed_ops = sorted({j for _, made, _ in packs for j in map(local, made) if j is not None})
+        stats.recompute_stop = min(max((count - start for count, _, _ in packs), default=0), len(ops))
+        outputs = output_keys or set()
+        stats.output_saved_inside = bool(outputs) and outputs <= {key for _, _, key in packs}
         return stats

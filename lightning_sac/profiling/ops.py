@@ -1,6 +1,10 @@
 """Facts about aten operators that the dry run needs: which SAC ignores, which alias, mutate or draw randoms.
 
-These are read off the operator schema and tags, so they hold for any operator, custom ones included.
+These are read off the operator schema and tags, so they hold for any operator, custom ones included. What an
+op writes is the exception: a few schemas do not declare every argument the kernel writes
+(``native_batch_norm`` updates ``running_mean`` and ``running_var`` in training), and such an op must never run
+twice. So :func:`mutated_tensors` also runs the op's decomposition once per call pattern on meta tensors and
+records what it really writes (:func:`undeclared_writes`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch._decomp import decomposition_table
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 __all__ = [
@@ -20,7 +27,10 @@ __all__ = [
     "is_view_like",
     "mutated_tensors",
     "op_name",
+    "undeclared_writes",
 ]
+
+aten = torch.ops.aten
 
 
 def op_name(func: Any) -> str:
@@ -53,14 +63,88 @@ def _schema_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> It
 
 
 def mutated_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """Return the tensors the op writes to (``self`` of ``add_``, ``out=`` arguments, lists of ``_foreach_*_``)."""
-    if not isinstance(func, torch._ops.OpOverload) or not func._schema.is_mutable:
+    """Return the tensors the op writes to (``self`` of ``add_``, ``out=`` arguments, lists of ``_foreach_*_``).
+
+    Declared writes, and the ones a schema leaves out (:func:`undeclared_writes`).
+    """
+    if not isinstance(func, torch._ops.OpOverload):
         return []
     written: list[torch.Tensor] = []
-    for arg, value in _schema_args(func, args, kwargs):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.extend(flat_tensors(value))
+    if func._schema.is_mutable:
+        for arg, value in _schema_args(func, args, kwargs):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written.extend(flat_tensors(value))
+    elif func in decomposition_table or func in _KNOWN_UNDECLARED:
+        written.extend(undeclared_writes(func, args, kwargs))
     return written
+
+
+# Schemas that do not declare a write, for ops without a decomposition to probe: (op, argument positions written,
+# position of the bool argument that must be true for it), as their kernels behave.
+_KNOWN_UNDECLARED: dict[Any, tuple[tuple[int, ...], int]] = {aten.miopen_batch_norm.default: ((3, 4), 5)}
+
+
+class _Writes(TorchDispatchMode):
+    """Records the storages that declared in-place ops write to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
+            self.storages.update(id(t.untyped_storage()) for t in mutated_tensors(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _pattern(x: Any) -> Any:
+    # What decides which arguments a kernel writes: which are tensors or None, and the flags (training=...).
+    if isinstance(x, torch.Tensor):
+        return "T"
+    if isinstance(x, (list, tuple)):
+        return tuple(_pattern(v) for v in x)
+    return x if isinstance(x, (bool, type(None))) else type(x).__name__
+
+
+_PROBED: dict[Any, tuple[int, ...]] = {}
+
+
+def undeclared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensor arguments ``func`` writes although its schema does not say so (BatchNorm's running statistics).
+
+    Found by running the op's decomposition (``torch._decomp``) on meta copies of the arguments under a mode that
+    records declared in-place writes, once per operator and call pattern (which arguments are tensors or
+    ``None``, and the boolean flags). Ops without a decomposition are taken from a short list of known ones; a
+    decomposition that cannot run on meta tensors is taken at its schema's word.
+    """
+    flat, spec = tree_flatten((args, kwargs))
+    key = (func, _pattern(flat))
+    if key not in _PROBED:
+        _PROBED[key] = _probe(func, flat, spec)
+    return [flat[i] for i in _PROBED[key]]
+
+
+def _probe(func: Any, flat: list[Any], spec: Any) -> tuple[int, ...]:
+    known = _KNOWN_UNDECLARED.get(func)
+    if known is not None:
+        positions, flag = known
+        return positions if len(flat) > flag and flat[flag] is True else ()
+    metas = [
+        torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.Tensor)
+        else x
+        for x in flat
+    ]
+    where = {id(m.untyped_storage()): i for i, m in enumerate(metas) if isinstance(m, torch.Tensor)}
+    margs, mkwargs = tree_unflatten(metas, spec)
+    writes = _Writes()
+    try:
+        with _disable_current_modes(), writes:
+            decomposition_table[func](*margs, **mkwargs)
+    except Exception:  # noqa: BLE001 - a decomposition that needs values or real devices: trust the schema
+        return ()
+    return tuple(sorted(where[s] for s in writes.storages if s in where))
 
 
 def is_inplace(func: Any) -> bool:

@@ -15,17 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    UnsupportedOperatorException,
-)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.errors import ProfilingError
+from lightning_sac.errors import ProfilingError, user_source_line
 from lightning_sac.profiling.calibrate import input_spec
 from lightning_sac.profiling.data import MemorySnapshot, ModuleProfile, TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
@@ -39,12 +34,12 @@ from lightning_sac.profiling.ops import (
     mutated_tensors,
     op_name,
 )
+from lightning_sac.profiling.real_values import DATA_DEPENDENT
 from lightning_sac.profiling.runtime import RuntimeEstimator
 from lightning_sac.profiling.step import tensors_of
 
 __all__ = ["StepRecorder"]
 
-_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}
 
 
@@ -69,6 +64,8 @@ class _ModuleState:
     bwd_watch: PeakWatch | None = None
     bwd_done: bool = False
     force_store_random: bool = False
+    output_keys: set[tuple[int, int]] = field(default_factory=set)
+    has_parameters: bool = False
     snapshots: dict[str, MemorySnapshot] = field(default_factory=dict)
 
 
@@ -80,6 +77,8 @@ class StepRecorder(TorchDispatchMode):
         spec: Target device, for allocator rounding.
         estimator: Per-op runtime estimator.
         workspace: Bytes an op's kernel allocates and frees within the call on the target, if known.
+        output_bytes: Per output position, the bytes an op's output really has on the target where the fake
+            kernel gives another size (``{}`` for most ops).
     """
 
     def __init__(
@@ -89,13 +88,15 @@ class StepRecorder(TorchDispatchMode):
         estimator: RuntimeEstimator,
         *,
         workspace: Callable[[Any, tuple[Any, ...], dict[str, Any]], int] | None = None,
+        output_bytes: Callable[[Any, tuple[Any, ...], dict[str, Any]], dict[int, int]] | None = None,
     ) -> None:
         super().__init__()
         self.workspace = workspace
+        self.output_bytes = output_bytes
         self.spec = spec
         self.estimator = estimator
         self.phase = "setup"
-        self.memory = LiveMemory(spec.round_bytes, self._location)
+        self.memory = LiveMemory(spec.round_bytes, self._location, on_free=self._on_free)
         self.cum_ms = 0.0
         self._phase_start_ms = 0.0
         self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -110,6 +111,7 @@ class StepRecorder(TorchDispatchMode):
         self._next_serial = 0
         self._saved: set[tuple[int, int]] = set()
         self._states: dict[str, _ModuleState] = {}
+        self._input_of: dict[int, list[str]] = {}  # storage id -> modules whose first call took it as input
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
         self._handles: list[RemovableHandle] = []
@@ -118,6 +120,7 @@ class StepRecorder(TorchDispatchMode):
         for fqn, module in model.named_modules():
             is_leaf = next(module.children(), None) is None
             self._states[fqn] = _ModuleState(ModuleProfile(fqn=fqn, module_type=type(module).__name__, is_leaf=is_leaf))
+            self._states[fqn].has_parameters = next(module.parameters(), None) is not None
             self._handles.append(module.register_forward_pre_hook(self._make_pre(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._make_post(fqn), with_kwargs=True))
 
@@ -171,12 +174,12 @@ class StepRecorder(TorchDispatchMode):
         self.memory.close()
 
     # ----------------------------------------------------------------- memory helpers
-    def _track(self, storage: torch.UntypedStorage, category: str) -> int:
+    def _track(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> int:
         if self.memory.is_live(storage):
             return 0
         self._serial[id(storage)] = self._next_serial
         self._next_serial += 1
-        return self.memory.track(storage, category)
+        return self.memory.track(storage, category, nbytes)
 
     def _key(self, storage: torch.UntypedStorage) -> tuple[int, int]:
         return id(storage), self._serial.get(id(storage), -1)
@@ -185,10 +188,18 @@ class StepRecorder(TorchDispatchMode):
         if p.grad is not None:
             self.memory.recategorize(p.grad.untyped_storage(), "gradient")
 
+    def _on_free(self, key: int, nbytes: int) -> None:
+        # An input freed after its module's forward and before its backward is over: a checkpoint would keep it.
+        for fqn in self._input_of.pop(key, ()):
+            st = self._states[fqn]
+            if "post_forward" in st.snapshots and not st.bwd_done:
+                st.profile.freed_inputs.append([len(self.timeline) - 1, nbytes])
+
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
-            self._saved.add(self._key(x.untyped_storage()))
-            self.graph.pack(x)
+            key = self._key(x.untyped_storage())
+            self._saved.add(key)
+            self.graph.pack(x, key)
         return x
 
     def _location(self) -> str:
@@ -207,6 +218,8 @@ class StepRecorder(TorchDispatchMode):
     # ----------------------------------------------------------------- module hooks
     def _make_pre(self, fqn: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self.phase != "forward":
+                return  # a checkpoint of the model's own recomputes it in backward: not a call of the step
             st = self._states[fqn]
             st.profile.calls += 1
             self._stack.append(fqn)
@@ -218,6 +231,8 @@ class StepRecorder(TorchDispatchMode):
             self.input_specs[fqn] = input_spec((args, kwargs))
             st.n_inputs = len(inputs)
             st.profile.input_bytes = self._storage_bytes(inputs)
+            for key in {id(t.untyped_storage()) for t in inputs}:
+                self._input_of.setdefault(key, []).append(fqn)
             st.force_store_random = not inputs
             st.snapshots["pre_forward"] = self.memory.snapshot()
             st.fwd_watch = self.memory.open_watch()
@@ -232,6 +247,8 @@ class StepRecorder(TorchDispatchMode):
 
     def _make_post(self, fqn: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self.phase != "forward":
+                return
             st = self._states[fqn]
             self._stack.pop()
             self._event("fwd_post", fqn)
@@ -240,6 +257,7 @@ class StepRecorder(TorchDispatchMode):
                 return
             outputs = tensors_of(output)
             st.profile.output_bytes = self._storage_bytes(outputs)
+            st.output_keys = {self._key(t.untyped_storage()) for t in outputs}
             st.snapshots["post_forward"] = self.memory.snapshot()
             st.snapshots["peak_forward"] = st.fwd_watch.peak_snapshot
             self.memory.close_watch(st.fwd_watch)
@@ -327,15 +345,19 @@ class StepRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         try:
             out = func(*args, **kwargs)
-        except _DATA_DEPENDENT as err:
+        except DATA_DEPENDENT as err:
             module = self._stack[-1] if self._stack else (self._bwd_open[-1] if self._bwd_open else "")
+            where = user_source_line()
             raise ProfilingError(
-                f"Module {module or '<root>'!r} calls {func}, whose output depends on tensor values, which a "
-                "fake-tensor dry run does not have (.item(), nonzero, boolean-mask indexing, ...). Move that "
-                "code out of the training step, or make it shape-static (e.g. torch.where instead of x[mask]). "
-                "The model was not changed; training without a plan still works.",
+                f"Module {module or '<root>'!r} calls {func} at {where}, and its result depends on the values of "
+                "a tensor derived from the weights, which the dry run does not have (it has the batch's values: "
+                ".item(), .all(), nonzero or a boolean mask on ids, masks and labels work). Make that code "
+                "shape-static (e.g. torch.where instead of x[mask]) or move it out of the training step; with "
+                "AutoSAC, example_batch= plans for another batch and strict=False trains without a plan. The "
+                "model was not changed.",
                 op=str(func),
                 module=module,
+                source=where,
             ) from err
         inputs = flat_tensors(args) + flat_tensors(list(kwargs.values()))
         for t in inputs:
@@ -343,6 +365,8 @@ class StepRecorder(TorchDispatchMode):
             self._track(t.untyped_storage(), "other")
         outputs = flat_tensors(out)
         inplace = is_inplace(func)
+        written = mutated_tensors(func, args, kwargs)
+        output_storages = {id(t.untyped_storage()) for t in outputs}
         # An op whose outputs all alias its inputs is a view whatever its schema says (_unsafe_view, alias):
         # it launches no kernel, and saving its output would pin its input's storage.
         input_storages = {id(t.untyped_storage()) for t in inputs}
@@ -354,10 +378,11 @@ class StepRecorder(TorchDispatchMode):
         category = _NEW_STORAGE_CATEGORY.get(self.phase, "other")
         new_bytes = 0
         keys = []
-        for t in outputs:
+        sizes = self.output_bytes(func, args, kwargs) if self.output_bytes is not None else {}
+        for i, t in enumerate(outputs):
             st = t.untyped_storage()
             added = not self.memory.is_live(st)
-            new_bytes += self._track(st, category)
+            new_bytes += self._track(st, category, sizes.get(i))
             if added:
                 self._producer[id(st)] = len(self.graph.ops)
             keys.append(self._key(st))
@@ -368,8 +393,7 @@ class StepRecorder(TorchDispatchMode):
         elif self.phase == "forward":
             parent = None
             if inplace:
-                mutated = mutated_tensors(func, args, kwargs)
-                parent = self._producer.get(id(mutated[0].untyped_storage()), -1) if mutated else -1
+                parent = self._producer.get(id(written[0].untyped_storage()), -1) if written else -1
             record = OpRecord(
                 name=op_name(func),
                 ms=ms,
@@ -377,6 +401,7 @@ class StepRecorder(TorchDispatchMode):
                 view_like=view_like,
                 rand=is_random(func, args, kwargs),
                 inplace_parent=parent,
+                stateful=any(id(t.untyped_storage()) not in output_storages for t in written),
                 outputs=tuple(keys),
                 inputs=self.graph.makers(inputs),
                 storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),
@@ -386,7 +411,11 @@ class StepRecorder(TorchDispatchMode):
 
     # ----------------------------------------------------------------- results
     def modules(self) -> dict[str, ModuleProfile]:
-        """Per-module profiles, in forward pre-order, with snapshots and (non-leaf) op stats filled in."""
+        """Per-module profiles, in forward pre-order, with snapshots and op stats filled in.
+
+        Op stats are for non-leaf modules, and for leaf modules with parameters that run several ops that allocate
+        memory (``nn.LSTM``, a fused attention layer): what a plan can checkpoint.
+        """
         out: dict[str, ModuleProfile] = {}
         order = list(dict.fromkeys(self.orders["fwd_pre"]))
         order += [f for f in self._states if f not in out and f not in order]
@@ -394,9 +423,17 @@ class StepRecorder(TorchDispatchMode):
             st = self._states[fqn]
             for phase, snap in st.snapshots.items():
                 st.profile.memory[phase] = snap
-            if not st.profile.is_leaf and st.profile.calls:
-                st.profile.op_stats = self.graph.module_stats(
-                    (st.op_start, st.op_end), (st.pack_start, st.pack_end), self._saved, st.force_store_random
+            if st.profile.calls and (not st.profile.is_leaf or st.has_parameters):
+                stats = self.graph.module_stats(
+                    (st.op_start, st.op_end),
+                    (st.pack_start, st.pack_end),
+                    self._saved,
+                    st.force_store_random,
+                    st.output_keys,
                 )
+                # A leaf with weights that runs several allocating ops (an LSTM) can be checkpointed on its own; one
+                # op (a Linear, a norm) cannot be split, and its op stats would only grow the profile.
+                if not st.profile.is_leaf or sum(1 for m in stats.memory if m > 0) >= 2:
+                    st.profile.op_stats = stats
             out[fqn] = st.profile
         return out

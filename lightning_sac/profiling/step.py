@@ -6,7 +6,7 @@ two loops instead of the accuracy of the profile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,9 +15,11 @@ from torch import nn
 __all__ = [
     "ComputeLoss",
     "LossFn",
+    "ModelInputs",
     "OptimizerFactory",
-    "check_example_inputs",
     "default_loss",
+    "input_signature",
+    "model_inputs",
     "model_loss",
     "tensors_of",
     "training_step",
@@ -25,19 +27,24 @@ __all__ = [
 
 LossFn = Callable[[Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-#: Runs the forward of a step and returns its scalar loss: ``compute_loss(model, inputs)``.
-ComputeLoss = Callable[[nn.Module, tuple[Any, ...]], torch.Tensor]
+#: Runs the forward of a step and returns its scalar loss: ``compute_loss(model, inputs)``, where ``inputs`` is
+#: whatever the step takes (for a plain model, its :data:`ModelInputs`).
+ComputeLoss = Callable[[nn.Module, Any], torch.Tensor]
+#: A model's call, ``model(*args, **kwargs)``, as the pair ``(args, kwargs)``.
+ModelInputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def model_loss(loss_fn: LossFn | None = None) -> ComputeLoss:
-    """The forward of a plain training step: ``loss_fn(model(*inputs))`` (default: the output's sum).
+    """The forward of a plain training step: ``loss_fn(model(*args, **kwargs))`` (default: see :func:`default_loss`).
 
-    The model's output stays inside this function, so it is dropped before backward, as a Lightning
-    ``training_step`` that returns only the loss drops it: whatever autograd did not save is free in backward.
+    It takes the step's inputs as :func:`model_inputs` returns them. The model's output stays inside this
+    function, so it is dropped before backward, as a Lightning ``training_step`` that returns only the loss
+    drops it: whatever autograd did not save is free in backward.
     """
 
-    def compute(model: nn.Module, inputs: tuple[Any, ...]) -> torch.Tensor:
-        return (loss_fn or default_loss)(model(*inputs))
+    def compute(model: nn.Module, inputs: ModelInputs) -> torch.Tensor:
+        args, kwargs = inputs
+        return (loss_fn or default_loss)(model(*args, **kwargs))
 
     return compute
 
@@ -51,7 +58,14 @@ def _leaves(x: Any) -> list[Any]:
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    """Sum of the first floating-point tensor in the model's output (a tensor, or nested tuples/lists/dicts)."""
+    """The model's own loss when it returns one, else the sum of the first floating-point tensor of its output.
+
+    A Hugging Face model called with ``labels`` returns its loss as ``output.loss`` (``output["loss"]``); any
+    other output (a tensor, or nested tuples, lists and dicts) is reduced by summing its first float tensor.
+    """
+    own = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor) and own.numel() == 1 and own.is_floating_point():
+        return own
     for leaf in _leaves(output):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             return leaf.sum()
@@ -61,14 +75,33 @@ def default_loss(output: Any) -> torch.Tensor:
     )
 
 
-def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
-    """Return ``example_inputs`` if it is a tuple of positional inputs, else raise a ``TypeError`` saying how."""
+def model_inputs(example_inputs: Any, example_kwargs: Mapping[str, Any] | None = None) -> ModelInputs:
+    """The model's call as ``(args, kwargs)``, from the forms the public functions accept.
+
+    Args:
+        example_inputs: A tuple of positional inputs (``model(*example_inputs)``), or a dict of keyword inputs
+            (``model(**example_inputs)``, as Hugging Face models are called with a tokenized batch).
+        example_kwargs: Keyword inputs besides positional ``example_inputs``.
+
+    Raises:
+        TypeError: Another type, or keyword inputs given twice.
+    """
+    if isinstance(example_inputs, Mapping):
+        if example_kwargs is not None:
+            raise TypeError(
+                "example_inputs is already a dict of keyword inputs; pass the other keyword inputs in it too, "
+                "or pass positional inputs as a tuple with example_kwargs=."
+            )
+        return (), dict(example_inputs)
     if not isinstance(example_inputs, tuple):
         raise TypeError(
-            "example_inputs must be a tuple of the positional inputs of model(*example_inputs), got "
-            f"{type(example_inputs).__name__}. For a single tensor x pass (x,)."
+            "example_inputs must be a tuple of positional inputs (model(*example_inputs)) or a dict of keyword "
+            f"inputs (model(**example_inputs)), got {type(example_inputs).__name__}. For a single tensor x pass "
+            "(x,)."
         )
-    return example_inputs
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}.")
+    return example_inputs, dict(example_kwargs or {})
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -91,7 +124,7 @@ def _check_loss(loss: Any) -> torch.Tensor:
 
 def training_step(
     model: nn.Module,
-    inputs: tuple[Any, ...],
+    inputs: Any,
     compute_loss: ComputeLoss,
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[str], None] = lambda phase: None,
@@ -127,3 +160,8 @@ def training_step(
 def tensors_of(x: Any) -> list[torch.Tensor]:
     """Every tensor in a nested structure of tuples, lists and dicts."""
     return [leaf for leaf in _leaves(x) if isinstance(leaf, torch.Tensor)]
+
+
+def input_signature(inputs: Any) -> list[str]:
+    """The dtype and shape of each tensor in a step's inputs, e.g. ``["torch.int64[4, 128]"]``."""
+    return [f"{t.dtype}{list(t.shape)}" for t in tensors_of(inputs)]

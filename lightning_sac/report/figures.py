@@ -110,7 +110,10 @@ def predicted_step_memory(profile: ModelProfile, plan: Plan | None) -> list[int]
     out = []
     for k, e in enumerate(profile.timeline[:-1]):
         value = device_bytes(e.peak_after or e.at, world, sharding)
-        value -= sum(b for f, b in freed.items() if f in windows and windows[f][0] <= k < windows[f][1])
+        for f, b in freed.items():
+            if f in windows and windows[f][0] <= k < windows[f][1]:
+                # What the checkpoint frees, less the inputs it keeps that the plain step has freed by now.
+                value -= b - sum(n for at, n in profile.modules[f].freed_inputs if at <= k)
         out.append(value)
     return out
 

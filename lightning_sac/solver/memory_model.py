@@ -2,10 +2,13 @@
 
 The profile's timeline holds the live bytes at every module boundary and the peak until the next one. A
 checkpointed module ``j`` frees ``d_j`` bytes of activations from the end of its forward until its backward
-begins, when recompute brings them back; during that recompute its forward's temporaries come back too. So
+begins, when recompute brings them back; during that recompute its forward's temporaries come back too. A
+checkpoint also keeps its inputs until its backward is over: an input the plain step frees in the meantime
+(nothing saved it) stays alive from the interval it would have been freed in (:attr:`ModuleProfile.freed_inputs`).
+So
 every timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations
-are absent throughout it free, is within the budget. Parameters, gradients and optimizer state are divided by
-the world size when sharded.
+are absent throughout it free, plus the inputs they keep, is within the budget. Parameters, gradients and
+optimizer state are divided by the world size when sharded.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
 __all__ = [
     "MemoryConstraint",
     "activation_windows",
+    "backward_ends",
     "constant_floor",
     "device_bytes",
     "memory_constraints",
@@ -34,6 +38,15 @@ def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str) -> in
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
     return total
+
+
+def backward_ends(profile: ModelProfile) -> dict[str, int]:
+    """Per module, the timeline index of its (first) backward's end."""
+    ends: dict[str, int] = {}
+    for k, e in enumerate(profile.timeline):
+        if e.kind == "bwd_post":
+            ends.setdefault(e.name, k)
+    return ends
 
 
 def activation_windows(profile: ModelProfile) -> dict[str, tuple[int, int]]:
@@ -53,17 +66,20 @@ def activation_windows(profile: ModelProfile) -> dict[str, tuple[int, int]]:
 
 @dataclass(frozen=True)
 class MemoryConstraint:
-    """One moment of the step: ``base - sum(freed[j] for j in absent) + transient[recompute] <= budget``.
+    """One moment of the step: ``base - sum(freed[j] for j in absent) + transient[recompute] + kept <= budget``.
 
     Attributes:
         base: Bytes on one device without any checkpointing.
         absent: Candidates whose checkpointed activations are gone throughout this interval.
         recompute: The candidate whose recompute runs at this moment (its forward temporaries are back), if any.
+        kept: ``(candidate, bytes)``: inputs the plain step has freed by this moment that the candidate's
+            checkpoint keeps alive, counted when it is checkpointed.
     """
 
     base: int
     absent: frozenset[str]
     recompute: str | None = None
+    kept: tuple[tuple[str, int], ...] = ()
 
 
 def memory_constraints(
@@ -82,22 +98,31 @@ def memory_constraints(
         world_size: Devices the step runs on.
         sharding: ``"replicated"`` or ``"sharded"``.
     """
-    worst: dict[tuple[frozenset[str], str | None], int] = {}
+    worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
 
-    def add(base: int, absent: frozenset[str], recompute: str | None) -> None:
-        key = (absent, recompute)
+    ends = backward_ends(profile)
+    holding = {j: profile.modules[j].freed_inputs for j in windows}
+
+    def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
+        # A checkpoint holds its inputs until its backward ends; those the plain step freed by now are extra.
+        kept = tuple(
+            (j, b)
+            for j in sorted(holding)
+            if at < ends.get(j, len(profile.timeline)) and (b := sum(n for d, n in holding[j] if d <= at))
+        )
+        key = (absent, recompute, kept)
         worst[key] = max(worst.get(key, base), base)
 
     timeline = profile.timeline
     for k, event in enumerate(timeline):
         snapshot = event.peak_after or event.at
         absent = frozenset(j for j, (end_fwd, begin_bwd) in windows.items() if end_fwd <= k < begin_bwd)
-        add(device_bytes(snapshot, world_size, sharding), absent, None)
+        add(device_bytes(snapshot, world_size, sharding), absent, None, k)
     for j, (_, begin_bwd) in windows.items():
         at = timeline[begin_bwd].at
         absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
-        add(device_bytes(at, world_size, sharding), absent, j)
-    return [MemoryConstraint(base, absent, recompute) for (absent, recompute), base in worst.items()]
+        add(device_bytes(at, world_size, sharding), absent, j, begin_bwd)
+    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
 
 
 def constant_floor(constraints: list[MemoryConstraint]) -> int:
@@ -109,7 +134,7 @@ def peak_with_plan(constraints: list[MemoryConstraint], freed: Mapping[str, int]
     """The step's peak on one device when the modules in ``freed`` are checkpointed, each freeing its bytes."""
     peak = 0
     for c in constraints:
-        value = c.base - sum(freed[j] for j in c.absent if j in freed)
+        value = c.base - sum(freed[j] for j in c.absent if j in freed) + sum(b for j, b in c.kept if j in freed)
         if c.recompute is not None and c.recompute in freed:
             value += transient.get(c.recompute, 0)
         peak = max(peak, value)

@@ -14,7 +14,14 @@ import highspy
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
-from lightning_sac.recompute import check_backend, fixed_overhead_ms, overhead_ms, recompute_ms
+from lightning_sac.recompute import (
+    check_backend,
+    fixed_overhead_ms,
+    output_op,
+    overhead_ms,
+    recompute_ms,
+    rerun_output_bytes,
+)
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.memory_model import (
@@ -26,7 +33,7 @@ from lightning_sac.solver.memory_model import (
 )
 from lightning_sac.tradeoff import ModuleTradeoff, effective_memory, module_tradeoff
 
-__all__ = ["Candidate", "find_candidates", "solve_plan"]
+__all__ = ["Candidate", "excluded_reason", "find_candidates", "solve_plan"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -43,7 +50,9 @@ class Candidate:
         fqn: The module.
         window: Timeline indices of its forward's end and its backward's start.
         retained: Activation bytes its forward leaves alive without checkpointing, its output excluded.
-        transient: Bytes its forward's temporaries add on top when it is recomputed.
+        transient: Bytes its forward's temporaries add on top when it is recomputed, and a second copy of its
+            output when the backend reruns the output op (:func:`~lightning_sac.recompute.rerun_output_bytes`,
+            counted as recomputed: the bound the solver plans with; a plan's prediction uses its policy's).
         tradeoff: Its trade-off curve and fit.
     """
 
@@ -75,15 +84,39 @@ def _matches(m: ModuleProfile, candidates: Sequence[Any] | None) -> bool:
     return False
 
 
+def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
+    """Why module ``fqn`` must not be checkpointed by a plan, or ``None``.
+
+    A module that runs under the model's own checkpointing, contains such a module or lies inside one, or
+    whose forward opens a checkpoint region itself, would be recomputed twice under nested regions that the
+    profile's op lists do not describe; one called with a KV cache that holds tokens would update it twice.
+    """
+    for own in profile.checkpointed_modules:
+        if _related(own, fqn):
+            return f"already checkpointed by the model ({own or '<root>'})"
+    for caller in profile.checkpoint_callers:
+        if fqn == caller or fqn == "" or caller.startswith(fqn + "."):
+            return f"contains the model's own checkpointing ({caller or '<root>'})"
+    for holder in profile.kv_cache_with_tokens:
+        if _related(holder, fqn):
+            return f"called with a KV cache that holds tokens ({holder or '<root>'})"
+    return None
+
+
 def find_candidates(
-    profile: ModelProfile, candidates: Sequence[Any] | None = None, n_segments: int = 2
+    profile: ModelProfile, candidates: Sequence[Any] | None = None, n_segments: int = 2, backend: str = "sac"
 ) -> list[Candidate]:
-    """Modules that can be checkpointed: non-leaf, run once, with a backward, matching ``candidates``.
+    """Modules that can be checkpointed: with op stats, run once, with a backward, matching ``candidates``.
+
+    Op stats exist for non-leaf modules and for leaves that run several allocating ops, such as ``nn.LSTM``.
+
+    Modules that :func:`excluded_reason` names are left out.
 
     Args:
         profile: The profile.
         candidates: Module classes or fqn glob patterns (``"blocks.*"``); ``None`` allows every module.
         n_segments: Lines of each trade-off fit.
+        backend: The backend the plan is for (what its recompute brings back).
     """
     if candidates is not None:
         bad = [c for c in candidates if not isinstance(c, (str, type))]
@@ -92,16 +125,45 @@ def find_candidates(
     windows = activation_windows(profile)
     found = []
     for fqn, m in profile.modules.items():
-        if m.is_leaf or m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
+        if m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
+            continue
+        if excluded_reason(profile, fqn) is not None:
             continue
         post, pre = m.memory["post_forward"], m.memory["pre_forward"]
         retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
-        transient = max(0, sum(m.memory["peak_forward"].values()) - sum(post.values()))
+        transient = _forward_temporaries(m)
+        out = output_op(m.op_stats)
+        # A free output op is always saved (the knapsack favours saving), so it is never rerun.
+        if out is not None and (effective_memory(m.op_stats)[out] or out in m.op_stats.rand_ops):
+            transient += rerun_output_bytes(m.op_stats, None, backend)
         tradeoff = module_tradeoff(m.op_stats, n_segments)
         if tradeoff.total_memory == 0 or retained == 0:
             continue  # nothing to free
         found.append(Candidate(fqn, windows[fqn], retained, transient, tradeoff))
     return found
+
+
+def _more_candidates(profile: ModelProfile) -> str:
+    """The end of a BudgetError's advice: how more modules could be checkpointed."""
+    own = profile.checkpointed_modules or profile.checkpoint_callers
+    if not own:
+        return ", or allow more checkpoint candidates."
+    names = ", ".join(f or "<root>" for f in own[:3]) + (", ..." if len(own) > 3 else "")
+    text = (
+        f". The model already checkpoints {len(own)} module(s) itself ({names}), and lightning-sac plans around "
+        "them: it checkpoints no module that is, contains or lies inside one."
+    )
+    if profile.checkpointing_flags:
+        return text + (
+            " To let lightning-sac choose instead, turn Hugging Face's checkpointing off "
+            "(model.gradient_checkpointing_disable()) or pass replace_existing=True (AutoSAC, profile_model)."
+        )
+    return text + " To let lightning-sac choose instead, remove the model's own torch.utils.checkpoint calls."
+
+
+def _forward_temporaries(m: ModuleProfile) -> int:
+    """Bytes the module's forward allocates and frees again: its recompute brings them back too."""
+    return max(0, sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values()))
 
 
 def _op_stats(profile: ModelProfile, fqn: str) -> ModuleOpStats:
@@ -165,10 +227,12 @@ def _constraint_rows(
     by_fqn = {c.fqn: c for c in cands}
     for con in constraints:
         terms = [_freed_mib(by_fqn[j], y[j], r[j]) for j in con.absent if j in by_fqn]
-        extra = by_fqn[con.recompute].transient / _MIB * y[con.recompute] if con.recompute in by_fqn else 0.0
-        if not terms and not isinstance(extra, highspy.highs.highs_linear_expression):
+        extras = [b / _MIB * y[j] for j, b in con.kept if j in by_fqn]
+        if con.recompute in by_fqn:
+            extras.append(by_fqn[con.recompute].transient / _MIB * y[con.recompute])
+        if not terms and not extras:
             continue  # constant rows are checked before solving
-        h.addConstr(con.base / _MIB - h.qsum(terms) + extra <= limit_mib)
+        h.addConstr(con.base / _MIB - h.qsum(terms) + h.qsum(extras) <= limit_mib)
 
 
 def _minimum_peak(cands: list[Candidate], constraints: list[MemoryConstraint]) -> float:
@@ -231,7 +295,7 @@ def solve_plan(
     if not budget_gb > 0:
         raise ValueError(f"budget_gb must be positive, got {budget_gb}.")
     budget = int(budget_gb * _GIB)
-    cands = find_candidates(profile, candidates, n_segments)
+    cands = find_candidates(profile, candidates, n_segments, backend)
     windows = {c.fqn: c.window for c in cands}
     constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
     unconstrained = peak_with_plan(constraints, {}, {})
@@ -246,6 +310,8 @@ def solve_plan(
         predicted_step_ms=profile.step_ms,
         solver_status="Not needed",
         fingerprint=profile_fingerprint(profile),
+        replaces_checkpointing=list(profile.replaced_checkpointing),
+        kv_cache_off=bool(profile.kv_cache_off),
     )
     if unconstrained <= budget:
         plan.solver_seconds = time.perf_counter() - start
@@ -270,8 +336,7 @@ def solve_plan(
             f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
             f"{minimum / _GIB:.3f} GiB (the unconstrained peak is {unconstrained / _GIB:.3f} GiB on "
             f"{profile.device.name}, world size {world_size}, {sharding}). Raise the budget, use a smaller batch or "
-            "shorter sequences, shard parameters and optimizer state (sharding='sharded'), or allow more "
-            "checkpoint candidates.",
+            f"shorter sequences, shard parameters and optimizer state (sharding='sharded'){_more_candidates(profile)}",
             minimum_bytes=int(math.ceil(minimum)),
             unconstrained_bytes=unconstrained,
         )
@@ -299,7 +364,13 @@ def solve_plan(
             op_names=list(stats.func_names),
         )
     freed = {f: d.freed_bytes for f, d in plan.decisions.items()}
-    plan.predicted_peak_bytes = peak_with_plan(constraints, freed, {c.fqn: c.transient for c in cands})
+    # The recompute brings back an output copy only where the chosen policy reruns the output op.
+    transient = {
+        fqn: _forward_temporaries(profile.modules[fqn])
+        + rerun_output_bytes(_op_stats(profile, fqn), d.op_policy, backend)
+        for fqn, d in plan.decisions.items()
+    }
+    plan.predicted_peak_bytes = peak_with_plan(constraints, freed, transient)
     plan.predicted_recompute_ms = sum(d.recompute_ms for d in plan.decisions.values())
     plan.predicted_overhead_ms = sum(d.overhead_ms for d in plan.decisions.values())
     plan.predicted_step_ms = profile.step_ms + plan.predicted_recompute_ms + plan.predicted_overhead_ms

@@ -1,0 +1,259 @@
+"""Models we did not write, each called the way its users call it: tiny random-init configs of real Hugging Face
+classes (nothing is downloaded), LoRA through PEFT, a torchvision-style ResNet with BatchNorm, an LSTM language
+model, and models that checkpoint themselves.
+
+Each builder returns a :class:`Family`: the model in train mode, its batch as its users pass it (a keyword batch
+with an attention mask holding a padded row for the language models, config defaults such as ``use_cache`` left
+alone), the loss, and how the optimizer is built. Sizes keep a CPU step well under a second while activations,
+not weights, set the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class Family:
+    name: str
+    model: nn.Module
+    batch: tuple[Any, ...] | dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  # None: the model's own loss (Hugging Face, labels given)
+    lr: float = 1e-3
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr)
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def lm_batch(vocab: int, batch: int = 4, seq: int = 128, pad_from: int = 96) -> dict[str, torch.Tensor]:
+    """Token ids, an attention mask whose second row is padded from ``pad_from`` on, and labels ignoring pads."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, pad_from:] = 0
+    ids[1, pad_from:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def gpt2() -> Family:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_positions=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2)
+    return Family("gpt2", GPT2LMHeadModel(config).train(), lm_batch(128))
+
+
+def _llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def llama() -> Family:
+    from transformers import LlamaForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    return Family("llama", LlamaForCausalLM(_llama_config()).train(), lm_batch(128))
+
+
+def llama_lora() -> Family:
+    """LoRA adapters on the attention projections of a Llama decoder: only they train."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_llama_config())
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    return Family("llama_lora", get_peft_model(base, lora).train(), lm_batch(128))
+
+
+def bert() -> Family:
+    """A BERT sequence classifier with attention and hidden dropout."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        num_labels=3,
+        attention_probs_dropout_prob=0.1,
+        hidden_dropout_prob=0.1,
+        pad_token_id=0,
+    )
+    batch = lm_batch(128)
+    batch["labels"] = torch.tensor([0, 2, 1, 1])
+    return Family("bert", BertForSequenceClassification(config).train(), batch)
+
+
+def t5() -> Family:
+    """An encoder-decoder: labels shifted into decoder inputs by the model, a padded target row."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=128,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    batch = lm_batch(128, seq=96, pad_from=64)
+    g = torch.Generator().manual_seed(1)
+    batch["labels"] = torch.randint(3, 128, (4, 64), generator=g)
+    batch["labels"][2, 48:] = -100
+    return Family("t5", T5ForConditionalGeneration(config).train(), batch)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: conv-BN-ReLU(in place), conv-BN, residual add in place, ReLU in place."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A two-stage torchvision-style ResNet for 32x32 images."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet() -> Family:
+    torch.manual_seed(0)
+    images = torch.randn(16, 3, 32, 32)
+    labels = torch.randint(0, 10, (16,))
+    return Family("resnet", ResNet().train(), (images,), lambda out: F.cross_entropy(out, labels))
+
+
+class LSTMLM(nn.Module):
+    """Embedding, a two-layer LSTM with dropout between layers, a linear head."""
+
+    def __init__(self, vocab: int = 1024, d: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.lstm = nn.LSTM(d, d, 2, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(ids))
+        return self.head(hidden)
+
+
+def lstm() -> Family:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1024, (8, 64))
+    targets = torch.randint(0, 1024, (8, 64))
+    return Family("lstm", LSTMLM().train(), (ids,), lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class SelfCheckpointing(nn.Module):
+    """A model that checkpoints its first blocks itself, with ``torch.utils.checkpoint`` in its forward."""
+
+    def __init__(self, d: int = 64, depth: int = 4, checkpointed: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.head = nn.Linear(d, 16)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=False) if i < self.checkpointed else block(x)
+        return self.head(x)
+
+
+def self_checkpointing() -> Family:
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, 64)
+    return Family("self_checkpointing", SelfCheckpointing().train(), (x,), lambda out: out.float().square().mean())
+
+
+def gpt2_gradient_checkpointing() -> Family:
+    """GPT-2 with Hugging Face's own gradient checkpointing on every layer."""
+    family = gpt2()
+    family.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    family.name = "gpt2_gradient_checkpointing"
+    return family
+
+
+FAMILIES: dict[str, Callable[[], Family]] = {
+    f.__name__: f
+    for f in (gpt2, llama, llama_lora, bert, t5, resnet, lstm, self_checkpointing, gpt2_gradient_checkpointing)
+}

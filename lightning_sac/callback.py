@@ -92,6 +92,9 @@ class AutoSAC(Callback):
         measure: Profile the second real training step (the optimizer's state exists by then) with
             torch.profiler and log its memory timeline and peak beside the prediction; warn when it exceeds the
             budget.
+        replace_existing: The model checkpoints itself with Hugging Face's ``gradient_checkpointing``: let the plan
+            replace it (those flags are off while the plan is applied). Otherwise modules the model already
+            checkpoints are planned around, and AutoSAC says so.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class AutoSAC(Callback):
         example_batch_fn: Callable[[], Any] | None = None,
         log_figures: bool = True,
         measure: bool = True,
+        replace_existing: bool = False,
     ) -> None:
         if (budget_gb is None) == (budget_fraction is None):
             raise ValueError(
@@ -136,6 +140,7 @@ class AutoSAC(Callback):
         self.example_batch_fn = example_batch_fn
         self.log_figures = log_figures
         self.measure = measure
+        self.replace_existing = replace_existing
         self.plan: Plan | None = None
         self.profile: ModelProfile | None = None  # the dry run's profile, when this fit profiled
         self.measured: MemoryTimeline | None = None  # the first planned step, measured
@@ -359,6 +364,7 @@ class AutoSAC(Callback):
                 share=(trainer,),
                 autocast_dtype=_AUTOCAST.get(str(trainer.precision)),
                 lightning_order=True,
+                replace_existing=self.replace_existing,
             )
         except ProfilingError as err:
             if self.strict:
@@ -367,6 +373,18 @@ class AutoSAC(Callback):
             return None
         self.profiled = True
         self.profile = profile
+        own = profile.checkpointed_modules or profile.checkpoint_callers
+        if own:
+            how = (
+                "AutoSAC(replace_existing=True) or model.gradient_checkpointing_disable()"
+                if profile.checkpointing_flags
+                else "removing its torch.utils.checkpoint calls"
+            )
+            rank_zero_info(
+                f"AutoSAC: the model already checkpoints {len(own)} module(s) itself ({', '.join(own[:3])}"
+                f"{', ...' if len(own) > 3 else ''}); the plan leaves them, and every module around or inside "
+                f"them, alone. To let AutoSAC choose instead: {how}."
+            )
         if len(tensors_of(batch)) == 0:
             warnings.warn("AutoSAC's example batch holds no tensors.", stacklevel=2)
 

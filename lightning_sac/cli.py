@@ -68,11 +68,13 @@ def gather_plan(
     candidates: Sequence[str] | None = None,
     n_segments: int = 2,
     backend: str = "sac",
+    replace_existing: bool = False,
 ) -> tuple[ModelProfile, Plan]:
     """Profile the factory's model and solve a plan; return both.
 
     The factory returns ``(model, example_inputs)``, optionally followed by ``loss_fn`` and
-    ``optimizer_factory``, as :func:`~lightning_sac.profile_model` takes them.
+    ``optimizer_factory``, as :func:`~lightning_sac.profile_model` takes them: ``example_inputs`` is a tuple of
+    positional inputs or a dict of keyword inputs (a tokenized Hugging Face batch).
     """
     made = load_factory(target)()
     if not isinstance(made, tuple) or not 2 <= len(made) <= 4:
@@ -81,7 +83,13 @@ def gather_plan(
         )
     model, inputs, loss_fn, optimizer_factory = (*made, None, None)[:4]
     profile = profile_model(
-        model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device=device, estimate=estimate
+        model,
+        inputs,
+        loss_fn=loss_fn,
+        optimizer_factory=optimizer_factory,
+        device=device,
+        estimate=estimate,
+        replace_existing=replace_existing,
     )
     plan = solve_plan(
         profile,
@@ -131,6 +139,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         candidates=args.candidates,
         n_segments=args.n_segments,
         backend=args.backend,
+        replace_existing=args.replace_existing,
     )
     print(render_plan(profile, plan))
     if args.json:
@@ -181,7 +190,10 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     """The parser of ``lightning-sac plan``."""
     description = "Profile a model on fake tensors for a target device and print the cheapest checkpointing plan."
     parser = _parser(subparsers, "plan", description)
-    parser.add_argument("factory", help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]])")
+    parser.add_argument(
+        "factory",
+        help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]]), inputs a tuple or a dict",
+    )
     parser.add_argument("--budget-gb", type=float, required=True, help="memory budget per device, GiB")
     parser.add_argument("--device", default="auto", help="target device (see `lightning-sac devices`)")
     parser.add_argument("--world-size", type=int, default=1)
@@ -191,6 +203,11 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--n-segments", type=int, default=2)
     parser.add_argument(
         "--backend", choices=BACKENDS, default="sac", help="how the plan will be applied (its recompute cost)"
+    )
+    parser.add_argument(
+        "--replace-existing",
+        action="store_true",
+        help="plan as if the model's Hugging Face gradient checkpointing were off (applying the plan turns it off)",
     )
     parser.add_argument("--json", default=None, help="also write the plan to this JSON file")
     parser.add_argument("--profile-json", default=None, help="also write the profile (for `report` figures)")

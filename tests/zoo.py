@@ -10,6 +10,7 @@ not weights, set the peak.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ def _quiet_transformers() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    # transformers 5 renamed gradient checkpointing to activation checkpointing; users still call the old names,
+    # and so do PEFT's wrappers.
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
 
 
 def lm_batch(vocab: int, batch: int = 4, seq: int = 128, pad_from: int = 96) -> dict[str, torch.Tensor]:
@@ -227,22 +231,26 @@ class Block(nn.Module):
 class SelfCheckpointing(nn.Module):
     """A model that checkpoints its first blocks itself, with ``torch.utils.checkpoint`` in its forward."""
 
-    def __init__(self, d: int = 64, depth: int = 4, checkpointed: int = 2) -> None:
+    def __init__(self, d: int = 64, depth: int = 4, checkpointed: int = 2, reentrant: bool = False) -> None:
         super().__init__()
+        self.proj = nn.Linear(d, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
         self.head = nn.Linear(d, 16)
         self.checkpointed = checkpointed
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
         for i, block in enumerate(self.blocks):
-            x = checkpoint(block, x, use_reentrant=False) if i < self.checkpointed else block(x)
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if i < self.checkpointed else block(x)
         return self.head(x)
 
 
-def self_checkpointing() -> Family:
+def self_checkpointing(reentrant: bool = False) -> Family:
     torch.manual_seed(0)
     x = torch.randn(32, 64, 64)
-    return Family("self_checkpointing", SelfCheckpointing().train(), (x,), lambda out: out.float().square().mean())
+    model = SelfCheckpointing(reentrant=reentrant).train()
+    return Family("self_checkpointing", model, (x,), lambda out: out.float().square().mean())
 
 
 def gpt2_gradient_checkpointing() -> Family:

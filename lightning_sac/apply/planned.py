@@ -27,7 +27,7 @@ class Notices:
         """Warn with ``message`` unless a warning under ``key`` was given already."""
         if key not in self.given:
             self.given.add(key)
-            warnings.warn(message, stacklevel=4)
+            warnings.warn(message, stacklevel=3)
 
 
 def _storages(x: Any) -> set[int]:

@@ -7,8 +7,10 @@ scaled-dot-product attention. The real step has no fake tensors, so while the dr
 answer as they will in training. Each entry here patches one library's check, only if the library is already
 imported (nothing is imported for it), and restores it on exit.
 
-Tested versions: transformers 4.56-5.x (``transformers.utils.import_utils.is_fake_tensor``, which
-``is_tracing`` calls). A data-dependent decision on a value that is fake in the dry run (derived from weights)
+Tested with transformers 5.23 (``transformers.utils.import_utils.is_fake_tensor``, which ``is_tracing`` calls).
+Since the batch's values stay real in the dry run (:mod:`lightning_sac.profiling.real_values`), the masks and
+positions these checks usually look at are real anyway; this layer covers the rest (a mask too large to keep
+real, a library asking about activations). A data-dependent decision on a value that is fake in the dry run
 then raises a ``ProfilingError`` naming the op, instead of silently taking the tracing path.
 """
 

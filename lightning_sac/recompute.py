@@ -23,6 +23,7 @@ __all__ = [
     "BACKENDS",
     "check_backend",
     "output_op",
+    "recompute_transient",
     "rerun_output_bytes",
     "fixed_overhead_ms",
     "overhead_ms",
@@ -86,7 +87,13 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
 
 
 def output_op(stats: ModuleOpStats) -> int | None:
-    """Index of the module's output op: its last op that is neither a view nor in place (``None``: no such op)."""
+    """Index of the module's output op (``None``: no such op).
+
+    The last op that made a storage of the module's output, as the profile says; for an older profile, the last
+    op that is neither a view nor in place.
+    """
+    if stats.output_ops:
+        return stats.output_ops[-1]
     skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
     return next((i for i in range(len(stats.func_names) - 1, -1, -1) if i not in skip), None)
 
@@ -104,6 +111,29 @@ def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backe
     if backend != "sac" or i is None or i >= _stop(stats) or (policy is not None and policy[i]):
         return 0
     return stats.memory[i]
+
+
+def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int | None:
+    """Bytes a recompute of the module holds at once besides the activations it brings back, or ``None``.
+
+    The temporaries of the ops it reruns (outputs its forward made and freed again, alive for the same span as in
+    the forward: the rerun is the same code) and a second copy of the module's output
+    (:func:`rerun_output_bytes`). With ``policy`` ``None`` every op counts as rerun (a bound). The SAC count,
+    an upper bound for the graph backend (which frees each node's cache at its last consumer). ``None`` for a
+    profile without op lifetimes.
+    """
+    if len(stats.freed_at) != len(stats.func_names):
+        return None
+    events: list[tuple[int, int]] = []
+    for i in range(_stop(stats)):
+        end = stats.freed_at[i]
+        if end >= 0 and stats.memory[i] and (policy is None or not policy[i]):
+            events += [(i, stats.memory[i]), (end, -stats.memory[i])]
+    alive = peak = 0
+    for _, delta in sorted(events):  # at one index, frees (negative) first
+        alive += delta
+        peak = max(peak, alive)
+    return peak + rerun_output_bytes(stats, policy, backend)
 
 
 def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:

@@ -91,14 +91,15 @@ def effective_memory(stats: ModuleOpStats) -> list[int]:
     The output op is the last op that is neither a view nor in place (:func:`~lightning_sac.recompute.output_op`).
     When an op of the module saves the module's output for backward (a ReLU saves its result:
     ``stats.output_saved_inside``), autograd keeps it until the module's backward anyway, so a checkpoint's cache
-    keeping it costs nothing. Otherwise it is counted like any other op: when only the next module saves it (a
-    residual stream read by the next norm), autograd frees it at that module's backward, earlier than the
-    checkpoint's cache would, as measured; and BatchNorm, whose cached outputs a checkpoint must keep, saves only
-    its statistics, not its output.
+    keeping it costs nothing. A stateful output op (BatchNorm whose output an in-place ReLU returns) is always
+    saved, so it does not count here either: the memory model keeps its output alive from when the plain step
+    frees it (:attr:`ModuleProfile.freed_outputs`). Otherwise it is counted like any other op: when only the next
+    module saves it (a residual stream read by the next norm), autograd frees it at that module's backward,
+    earlier than the checkpoint's cache would, as measured.
     """
     memory = list(stats.memory)
     i = output_op(stats)
-    if i is not None and stats.output_saved_inside:
+    if i is not None and (stats.output_saved_inside or i in stats.stateful_ops):
         memory[i] = 0
     return memory
 
@@ -106,10 +107,11 @@ def effective_memory(stats: ModuleOpStats) -> list[int]:
 def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[RecomputeUnit]]:
     """Group ops into units; return ``(candidates, stored)``. View-like ops belong to neither: always recomputed.
 
-    In-place ops join the op that produced the storage they mutate; all random ops form one unit, so that
-    recompute replays the generator exactly; a unit is stored when it holds an in-place op on a storage from
-    outside the module, a stateful op (one that writes state it does not return, which must not run twice),
-    random ops with ``force_store_random``, or no memory at all.
+    In-place ops join the op that produced the storage they mutate, and an op that reads a tensor before an in-place
+    op overwrites it joins the op that made it (``reads_before_overwrite``); all random ops form one unit, so that
+    recompute replays the generator exactly; a unit is stored when it holds an in-place op on a storage from outside
+    the module, a stateful op (one that writes state it does not return, which must not run twice), random ops with
+    ``force_store_random``, or no memory at all.
     """
     n = len(stats.func_names)
     parent = list(range(n))
@@ -120,7 +122,7 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
             i = parent[i]
         return i
 
-    for op, head in stats.inplace_ops:
+    for op, head in [*stats.inplace_ops, *stats.reads_before_overwrite]:
         parent[find(op)] = find(head)
     for a, b in itertools.pairwise(stats.rand_ops):
         parent[find(b)] = find(a)
@@ -209,7 +211,8 @@ def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff
         raise ValueError(f"n_segments must be at least 1, got {n_segments}.")
     # Identical blocks of a deep model have identical stats: they share one fit.
     key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
-    key += repr((stats.stateful_ops, stats.force_store_random, stats.recompute_stop, n_segments))
+    key += repr((stats.stateful_ops, stats.reads_before_overwrite, stats.force_store_random))
+    key += repr((stats.recompute_stop, n_segments))
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()

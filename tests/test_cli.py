@@ -59,3 +59,19 @@ def test_errors_exit_2_with_a_message(capsys):
     assert "below the minimum achievable peak" in capsys.readouterr().err
     assert main(["plan", FACTORY, "--budget-gb", "1", "--device", "H900"]) == 2
     assert "H100-SXM" in capsys.readouterr().err
+
+
+def test_a_factory_may_return_a_keyword_batch(tmp_path, capsys):
+    factory = tmp_path / "hf_factory.py"
+    factory.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from zoo import gpt2\n"
+        "def make():\n"
+        "    family = gpt2()\n"
+        "    return family.model, family.batch\n"
+    )
+    path = tmp_path / "plan.json"
+    assert main(["plan", f"{factory}:make", "--budget-gb", "0.012", "--device", "cpu", "--json", str(path)]) == 0
+    plan = Plan.from_json(path.read_text())
+    assert plan.decisions and plan.predicted_peak_bytes <= plan.budget_bytes and plan.kv_cache_off

@@ -190,7 +190,7 @@ def gpt_profile() -> ModelProfile:
     return profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="cpu")
 
 
-@pytest.mark.parametrize("fraction", [0.9, 0.75, 0.6])
+@pytest.mark.parametrize("fraction", [0.9, 0.75, 0.66])
 def test_gpt_plans_never_nest_and_respect_the_budget(gpt_profile, fraction):
     budget = gpt_profile.peak_bytes * fraction / GIB
     plan = solve_plan(gpt_profile, budget)
@@ -207,7 +207,7 @@ def test_gpt_plans_never_nest_and_respect_the_budget(gpt_profile, fraction):
 
 
 def test_gpt_recompute_grows_as_the_budget_tightens(gpt_profile):
-    costs = [solve_plan(gpt_profile, gpt_profile.peak_bytes * f / GIB).predicted_recompute_ms for f in (0.9, 0.75, 0.6)]
+    costs = [solve_plan(gpt_profile, gpt_profile.peak_bytes * f / GIB).predicted_recompute_ms for f in (0.9, 0.75, 0.66)]
     assert costs == sorted(costs) and costs[0] < costs[-1]
 
 

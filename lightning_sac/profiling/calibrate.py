@@ -48,7 +48,7 @@ from lightning_sac.profiling.runtime import real_tensor
 from lightning_sac.profiling.step import tensors_of
 from lightning_sac.recompute import BACKENDS, recompute_ms
 
-__all__ = ["TensorSpec", "calibrate_modules", "input_spec"]
+__all__ = ["Opaque", "TensorSpec", "calibrate_modules", "input_spec"]
 
 # The interleaved measurement runs one warm-up round, then rounds until at least _MIN_ROUNDS and _MIN_SECONDS
 # (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the fastest counts.
@@ -72,22 +72,38 @@ class TensorSpec:
         return t.detach().requires_grad_() if self.requires_grad else t
 
 
+@dataclass(frozen=True)
+class Opaque:
+    """An argument that is neither a tensor nor a plain value (a KV cache, a config object): only its type."""
+
+    type_name: str
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format, slice)
+
+
 def input_spec(value: Any) -> Any:
     """``value`` (a module's ``(args, kwargs)``) with every tensor replaced by its :class:`TensorSpec`.
 
-    Only metadata is kept: holding the fake tensors themselves would keep them alive in the memory profile.
+    Only metadata is kept: holding the fake tensors themselves would keep them alive in the memory profile, and so
+    would holding an object that references tensors (a KV cache), which becomes an :class:`Opaque`.
     """
 
     def spec(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        return TensorSpec(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.requires_grad)
+        if isinstance(x, torch.Tensor):
+            return TensorSpec(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.requires_grad)
+        return x if isinstance(x, _PLAIN) else Opaque(type(x).__name__)
 
     return tree_map(spec, value)
 
 
 def _materialize(spec: Any) -> Any:
-    return tree_map(lambda x: x.materialize() if isinstance(x, TensorSpec) else x, spec)
+    def real(x: Any) -> Any:
+        if isinstance(x, Opaque):
+            raise ValueError(f"it takes a {x.type_name} argument, which synthetic inputs cannot stand in for")
+        return x.materialize() if isinstance(x, TensorSpec) else x
+
+    return tree_map(real, spec)
 
 
 def _is_real_cpu(module: nn.Module) -> bool:

@@ -87,6 +87,16 @@ class ModuleOpStats:
             statistics in training, found by what the op really writes: see
             :func:`lightning_sac.profiling.ops.mutated_tensors`). Running one twice would update that state
             twice, so they are always saved, never recomputed.
+        reads_before_overwrite: Pairs ``(reader, maker)``: the reader reads the maker's output before a later
+            in-place op of the module overwrites it (autograd's copy of an input an in-place op needs, as
+            ``hardtanh_`` has). A recompute of the reader must see the value before that write, which neither a
+            checkpoint's cache of the maker (it holds the overwritten value) nor a second run of a stateful maker
+            can give, so the two are saved or recomputed together.
+        freed_at: Per op, how many of the module's ops had run when the forward freed every storage the op made
+            (its outputs were temporaries), or ``-1`` when one outlives the forward or it made none: a recompute
+            holds the temporaries it reruns for the same span (:func:`lightning_sac.recompute.recompute_transient`).
+        output_ops: Indices of the ops that made the storages of the module's output (an in-place op that
+            returns its input's storage points to the op that made it).
         output_saved_inside: Whether autograd saved the module's output for a backward of the module's own ops
             (a ReLU saves its result): then a checkpoint's cache keeping it costs nothing (see
             :func:`lightning_sac.tradeoff.effective_memory`).
@@ -105,6 +115,9 @@ class ModuleOpStats:
     mutated_later: list[int] = field(default_factory=list)
     recompute_stop: int | None = None
     stateful_ops: list[int] = field(default_factory=list)
+    reads_before_overwrite: list[tuple[int, int]] = field(default_factory=list)
+    freed_at: list[int] = field(default_factory=list)
+    output_ops: list[int] = field(default_factory=list)
     output_saved_inside: bool = False
 
     @classmethod
@@ -112,6 +125,7 @@ class ModuleOpStats:
         """Rebuild from :func:`dataclasses.asdict` output (JSON turns the pairs into lists)."""
         d = dict(d)
         d["inplace_ops"] = [(int(a), int(b)) for a, b in d["inplace_ops"]]
+        d["reads_before_overwrite"] = [(int(a), int(b)) for a, b in d.get("reads_before_overwrite", [])]
         return cls(**d)
 
 
@@ -140,11 +154,17 @@ class ModuleProfile:
             cost when a copy of it ran for real on this CPU (see :mod:`lightning_sac.profiling.calibrate`).
             Only with ``estimate="benchmark"``, and only for the modules that could be measured; the others use
             :attr:`ModelProfile.backend_overhead_us`.
+        forward_temporaries: The most bytes of tensors the first forward call made and freed again that were
+            alive at once: what a recompute of the module brings back besides its saved activations.
+        freed_outputs: ``[timeline index, bytes]`` of each output storage of the first call that the plain step
+            frees after the forward and before the module's backward is over, as for ``freed_inputs``. A
+            checkpoint that must keep its output op (BatchNorm making the output a ReLU overwrites in place) keeps
+            these until its backward.
         freed_inputs: ``[timeline index, bytes]`` of each input storage of the first call that the plain step
-            frees after the module's forward and before its backward is over (the index of the timeline interval
-            it is freed in). A checkpoint keeps its region's inputs until its backward is over, so checkpointing
-            the module keeps these alive from then on (for an input nothing else saved: a ReLU-first region, an fp32
-            tensor a region under autocast reads only in half precision).
+            frees after the module's forward and before its backward is over (the index of the ``"free"`` event
+            the recorder adds at that moment). A checkpoint keeps its region's inputs until its backward is over,
+            so checkpointing the module keeps these alive from then on (for an input nothing else saved: a
+            ReLU-first region, an fp32 tensor a region under autocast reads only in half precision).
     """
 
     fqn: str
@@ -162,7 +182,9 @@ class ModuleProfile:
     calls: int = 0
     op_stats: ModuleOpStats | None = None
     measured_overhead: dict[str, list[float]] = field(default_factory=dict)
+    forward_temporaries: int = 0
     freed_inputs: list[list[int]] = field(default_factory=list)
+    freed_outputs: list[list[int]] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -184,7 +206,8 @@ class TimelineEvent:
 
     Attributes:
         kind: ``"phase"`` (the step entered a phase), ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_pre"`` or
-            ``"bwd_post"`` (a module's forward or backward began or ended).
+            ``"bwd_post"`` (a module's forward or backward began or ended), or ``"free"`` (an input or output of the
+            module ``name`` was freed, which a checkpoint of it would keep: see :attr:`ModuleProfile.freed_inputs`).
         name: The module's fqn, or the phase's name (``forward``, ``backward``, ``optimizer``, ``done``).
         at: Live bytes by category at this moment.
         peak_after: The snapshot at the highest total from this moment until the next event (empty for the
@@ -236,6 +259,11 @@ class ModelProfile:
         kv_cache_off: Modules called with a KV cache in training, which the dry run ran without it, as a
             planned module runs (see :mod:`lightning_sac.caches`).
         kv_cache_with_tokens: Modules called with a KV cache that already held tokens; never checkpointed.
+        kv_cache_peak: When the dry run switched KV caches off (:attr:`kv_cache_off`), the peak of the step as
+            the model runs without a plan, caches on, by category (a second dry run); ``None`` otherwise. Without
+            caches a step can hold more (a fused QKV projection's views keep its buffer, where the caches' copies
+            free it) or less; a plan is only made, and caches only switched off, when this peak exceeds the
+            budget.
     """
 
     device: DeviceSpec
@@ -260,6 +288,12 @@ class ModelProfile:
     replaced_checkpointing: list[str] = field(default_factory=list)
     kv_cache_off: list[str] = field(default_factory=list)
     kv_cache_with_tokens: list[str] = field(default_factory=list)
+    kv_cache_peak: MemorySnapshot | None = None
+
+    @property
+    def plain_peak_bytes(self) -> int:
+        """The peak of the step as the model runs without a plan: :attr:`kv_cache_peak` when there is one."""
+        return self.peak_bytes if self.kv_cache_peak is None else sum(self.kv_cache_peak.values())
 
     @property
     def step_ms(self) -> float:

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.parameter import UninitializedParameter
 
-from lightning_sac.caches import CacheSwitch
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.profiling.calibrate import calibrate_modules
-from lightning_sac.profiling.compat import real_step_answers
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.profiling.emulation import (
-    CudaAttentionEmulation,
-    cpu_output_bytes,
-    cpu_workspace_bytes,
-    fake_copy,
-)
 from lightning_sac.profiling.overhead import measure_backend_overheads
-from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
-from lightning_sac.profiling.real_values import RealValuesMode, dry_run_inputs
-from lightning_sac.profiling.recorder import StepRecorder
+from lightning_sac.profiling.recorded_step import StepSpec, optimizer_state, record_step
 from lightning_sac.profiling.runtime import make_estimator
 from lightning_sac.profiling.step import (
     ComputeLoss,
@@ -34,8 +21,6 @@ from lightning_sac.profiling.step import (
     input_signature,
     model_inputs,
     model_loss,
-    tensors_of,
-    training_step,
 )
 
 __all__ = ["profile_model", "profile_step"]
@@ -44,37 +29,6 @@ __all__ = ["profile_model", "profile_step"]
 def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
     storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     return sum(spec.round_bytes(n) for n in storages.values())
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    if optimizer is None:
-        return []
-    return [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-
-
-def _create_optimizer_state(
-    model: nn.Module,
-    inputs: Any,
-    compute_loss: ComputeLoss,
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    keep_grads: bool = False,
-) -> None:
-    """Step the optimizer once so that its state exists when the recorded step begins.
-
-    Optimizers create their state from the gradients' shapes at the first step, so zero gradients do: the
-    warm-up skips forward and backward, a third of the dry run's time. Lazy modules only get their parameter
-    shapes from a forward, so for them the warm-up is a whole training step.
-    """
-    if any(isinstance(p, UninitializedParameter) for p in params):
-        training_step(model, inputs, compute_loss, optimizer)
-        return
-    for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    if not keep_grads:
-        optimizer.zero_grad(set_to_none=True)
 
 
 def profile_model(
@@ -180,51 +134,9 @@ def profile_step(
     """
     spec = get_device_spec(device)
     estimator = make_estimator(estimate, spec)
-    run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
-    emulation = CudaAttentionEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
-    forward = compute_loss
-    if autocast_dtype is not None:
-
-        def forward(m: nn.Module, x: tuple[Any, ...]) -> torch.Tensor:
-            with torch.autocast(device_type=run_on, dtype=autocast_dtype):
-                return compute_loss(m, x)
-
-    # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
-    # and counted as memory that existed before the step ("other"), as they would on the device.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fmodel = fake_copy(model, mode, run_on, share=share)
-    finputs = dry_run_inputs(example_inputs, mode, run_on)
-    params = list(fmodel.parameters())
-    flags = checkpointing_flags(fmodel)
-    replaced = flags if replace_existing else []
-    watch, caches = CheckpointWatch(fmodel), CacheSwitch(fmodel)
-    # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one.
-    with flags_off(fmodel, replaced), real_step_answers(), watch, caches, mode, RealValuesMode(), emulation:
-        optimizer = make_optimizer(fmodel) if make_optimizer is not None else None
-        if optimizer is not None:
-            _create_optimizer_state(fmodel, finputs, forward, optimizer, params, keep_grads=lightning_order)
-        cpu = not spec.is_cuda
-        recorder = StepRecorder(
-            fmodel,
-            spec,
-            estimator,
-            workspace=cpu_workspace_bytes if cpu else None,
-            output_bytes=cpu_output_bytes if cpu else None,
-        )
-        try:
-            recorder.track_existing(params, "parameter")
-            recorder.track_existing(list(fmodel.buffers()), "buffer")
-            recorder.track_existing([p.grad for p in params if p.grad is not None], "gradient")
-            recorder.track_existing(_optimizer_state(optimizer, params), "optimizer_state")
-            recorder.track_existing(tensors_of(finputs), "other")
-            recorder.watch_gradients(params)
-            with recorder:
-                training_step(
-                    fmodel, finputs, forward, optimizer, recorder.set_phase, zero_grad_before_backward=lightning_order
-                )
-        finally:
-            recorder.close()
-
+    step = StepSpec(spec, estimator, compute_loss, make_optimizer, share, autocast_dtype, lightning_order)
+    run = record_step(model, example_inputs, step, replace_existing=replace_existing)
+    recorder, fmodel, optimizer = run.recorder, run.model, run.optimizer
     modules = recorder.modules()
     named = dict(fmodel.named_modules())
     for fqn, prof in modules.items():
@@ -232,7 +144,7 @@ def profile_step(
         prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
         prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
         prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
-        prof.optimizer_state_bytes = _unique_storage_bytes(_optimizer_state(optimizer, mod_params), spec)
+        prof.optimizer_state_bytes = _unique_storage_bytes(optimizer_state(optimizer, mod_params), spec)
 
     memory = recorder.memory
     profile = ModelProfile(
@@ -251,13 +163,18 @@ def profile_step(
         optimizer_ms=recorder.phase_ms["optimizer"],
         input_signature=input_signature(example_inputs),
         timeline=recorder.timeline,
-        checkpointed_modules=watch.under,
-        checkpoint_callers=watch.callers,
-        checkpointing_flags=[f for f in flags if f not in replaced],
-        replaced_checkpointing=replaced,
-        kv_cache_off=caches.switched_off,
-        kv_cache_with_tokens=caches.holds_tokens,
+        checkpointed_modules=run.watch.under,
+        checkpoint_callers=run.watch.callers,
+        checkpointing_flags=[f for f in run.flags if f not in run.replaced],
+        replaced_checkpointing=run.replaced,
+        kv_cache_off=run.caches.switched_off,
+        kv_cache_with_tokens=run.caches.holds_tokens,
     )
+    if run.caches.switched_off:
+        # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
+        # less than without them: fused projections' views keep their buffers, caches' copies free them).
+        with_caches = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+        profile.kv_cache_peak = with_caches.recorder.memory.peak.peak_snapshot
     # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
     # recompute alone.
     if estimate == "benchmark":

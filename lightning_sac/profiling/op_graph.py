@@ -44,6 +44,7 @@ class OpGraph:
         # packed before it runs and its outputs after, so the count says exactly which ops a recompute must have run.
         self.packs: list[tuple[int, tuple[int, ...], tuple[int, int]]] = []
         self._made_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ops that last wrote it
+        self.deaths: dict[int, list[int]] = {}  # op -> ops run when each storage it made was freed (forward)
 
     def makers(self, tensors: list[torch.Tensor]) -> tuple[int, ...]:
         """The recorded ops whose outputs are among ``tensors`` (tensors from outside have none)."""
@@ -61,6 +62,10 @@ class OpGraph:
         self.ops.append(record)
         for t in outputs:
             self._made_by[t] = (index,)
+
+    def freed(self, maker: int) -> None:
+        """A storage op ``maker`` made was freed in forward, now (after ``len(ops)`` ops)."""
+        self.deaths.setdefault(maker, []).append(len(self.ops))
 
     def pack(self, tensor: torch.Tensor, key: tuple[int, int]) -> None:
         """Autograd saved ``tensor`` (its storage's ``key``) for backward."""
@@ -106,15 +111,26 @@ class OpGraph:
                 parent = op.inplace_parent - start
                 stats.inplace_ops.append((i, parent if 0 <= parent < i else i))
             stats.op_inputs.append(sorted({j for j in map(local, op.inputs) if j is not None and j < i}))
+            made = sum(1 for root in op.storage_roots if root == start + i)
+            deaths = self.deaths.get(start + i, [])
+            stats.freed_at.append(max(deaths) - start if made and len(deaths) >= made and max(deaths) <= end else -1)
         # A saved output that a later op of the module writes in place no longer holds what its op made: an
         # op's output is overwritten later when the module's last write to one of its storages comes after it.
         last_write = {op.inplace_parent: j for j, op in enumerate(ops) if op.inplace_parent is not None}
         for i, op in enumerate(ops):
             if any(last_write.get(r, -1) > i for r in op.storage_roots if r >= 0):
                 stats.mutated_later.append(i)
+            # It reads a tensor that a later op overwrites: a recompute must see the value before that write. (A
+            # view sees the write in forward too: it aliases the storage.)
+            for j in [] if op.view_like else stats.op_inputs[i]:
+                if any(last_write.get(r, -1) > i for r in ops[j].storage_roots if r >= 0):
+                    stats.reads_before_overwrite.append((i, j))
         packs = self.packs[pack_range[0] : pack_range[1]]
         stats.packed_ops = sorted({j for _, made, _ in packs for j in map(local, made) if j is not None})
         stats.recompute_stop = min(max((count - start for count, _, _ in packs), default=0), len(ops))
         outputs = output_keys or set()
         stats.output_saved_inside = bool(outputs) and outputs <= {key for _, _, key in packs}
+        # The ops that made the storages the call returns (an in-place ReLU returns its parent's storage).
+        roots = {root for op in ops if set(op.outputs) & outputs for root in op.storage_roots}
+        stats.output_ops = sorted({j for j in map(local, roots) if j is not None})
         return stats

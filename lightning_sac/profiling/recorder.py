@@ -112,6 +112,9 @@ class StepRecorder(TorchDispatchMode):
         self._saved: set[tuple[int, int]] = set()
         self._states: dict[str, _ModuleState] = {}
         self._input_of: dict[int, list[str]] = {}  # storage id -> modules whose first call took it as input
+        self._output_of: dict[int, list[str]] = {}  # storage id -> modules whose first call returned it
+        # (op made it, ops run when freed, bytes) of each storage the forward makes and frees, in order of death
+        self._lifetimes: list[tuple[int, int, int]] = []
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
         self._handles: list[RemovableHandle] = []
@@ -189,11 +192,21 @@ class StepRecorder(TorchDispatchMode):
             self.memory.recategorize(p.grad.untyped_storage(), "gradient")
 
     def _on_free(self, key: int, nbytes: int) -> None:
-        # An input freed after its module's forward and before its backward is over: a checkpoint would keep it.
-        for fqn in self._input_of.pop(key, ()):
-            st = self._states[fqn]
-            if "post_forward" in st.snapshots and not st.bwd_done:
-                st.profile.freed_inputs.append([len(self.timeline) - 1, nbytes])
+        if self.phase == "forward" and key in self._producer:
+            self._lifetimes.append((self._producer[key], len(self.graph.ops), nbytes))
+            self.graph.freed(self._producer[key])
+        # An input (or output) freed after its module's forward and before its backward is over: a checkpoint
+        # would keep it.
+        # The free gets an event of its own: the interval before it still holds the storage, the one after not.
+        event: int | None = None
+        for table, field_name in ((self._input_of, "freed_inputs"), (self._output_of, "freed_outputs")):
+            for fqn in table.pop(key, ()):
+                st = self._states[fqn]
+                if "post_forward" in st.snapshots and not st.bwd_done:
+                    if event is None:
+                        self._event("free", fqn)
+                        event = len(self.timeline) - 1
+                    getattr(st.profile, field_name).append([event, nbytes])
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
@@ -258,16 +271,37 @@ class StepRecorder(TorchDispatchMode):
             outputs = tensors_of(output)
             st.profile.output_bytes = self._storage_bytes(outputs)
             st.output_keys = {self._key(t.untyped_storage()) for t in outputs}
+            for key in {id(t.untyped_storage()) for t in outputs}:
+                self._output_of.setdefault(key, []).append(fqn)
             st.snapshots["post_forward"] = self.memory.snapshot()
             st.snapshots["peak_forward"] = st.fwd_watch.peak_snapshot
             self.memory.close_watch(st.fwd_watch)
             st.op_end = len(self.graph.ops)
             st.pack_end = len(self.graph.packs)
+            st.profile.forward_temporaries = self._temporaries(st.op_start)
             for t in outputs:
                 if t.requires_grad:
                     self._grad_events(t).produced_by.append(fqn)
 
         return hook
+
+    def _temporaries(self, op_start: int) -> int:
+        """The most bytes of tensors made and freed since op ``op_start`` that were alive at once.
+
+        A recompute of the module makes them again, alongside everything its backward holds by then; the
+        module's peak forward less its end state undercounts them when they come early in the forward.
+        """
+        events: list[tuple[int, int]] = []
+        for made, freed, nbytes in reversed(self._lifetimes):  # in order of death: the module's are the last
+            if freed <= op_start:
+                break
+            if made >= op_start:
+                events += [(made, nbytes), (freed, -nbytes)]
+        alive = peak = 0
+        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+            alive += delta
+            peak = max(peak, alive)
+        return peak
 
     def _grad_events(self, t: torch.Tensor) -> _GradEvents:
         # One hook per tensor, so that when several modules share a tensor (an identity module returns its

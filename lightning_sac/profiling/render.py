@@ -34,6 +34,11 @@ def render_profile(profile: ModelProfile, *, max_depth: int = 2) -> str:
     lines.append("-" * len(header))
     parts = ", ".join(f"{k} {v / _MIB:.2f}" for k, v in profile.peak_breakdown.items() if v)
     lines.append(f"peak {profile.peak_bytes / _MIB:.2f} MiB at {profile.peak_location} ({parts})")
+    if profile.kv_cache_peak is not None:
+        lines.append(
+            f"(profiled without KV caches in training, as a plan runs the model; with the model's caches on, as it "
+            f"runs without a plan, the peak is {profile.plain_peak_bytes / _MIB:.2f} MiB)"
+        )
     lines.append(
         f"step {profile.step_ms:.3f} ms = forward {profile.forward_ms:.3f} + backward {profile.backward_ms:.3f}"
         f" + optimizer {profile.optimizer_ms:.3f}"

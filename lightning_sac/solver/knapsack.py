@@ -35,7 +35,8 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
     """Save the ops that maximize saved runtime while their memory stays within ``memory_budget``.
 
     A 0/1 knapsack solved exactly with HiGHS. View-like ops are recomputed; each in-place op takes its parent's
-    decision and is saved when it is its own parent; stateful ops are saved; random ops are all saved or all
+    decision and is saved when it is its own parent; an op reading a tensor before an in-place op overwrites it
+    takes its maker's decision; stateful ops are saved; random ops are all saved or all
     recomputed (all saved when ``stats.force_store_random``). Memory is
     :func:`~lightning_sac.tradeoff.effective_memory`.
 
@@ -68,6 +69,8 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
             h.addConstr(x[i] == SAVE)
     for i in stats.stateful_ops:
         h.addConstr(x[i] == SAVE)
+    for reader, maker in stats.reads_before_overwrite:
+        h.addConstr(x[reader] == x[maker])
     h.addConstr(h.qsum(memory[i] * x[i] for i in range(n)) <= capacity)
     # Ties (e.g. free ops) go to saving: a tiny reward per saved op keeps the answer unique and stable.
     costs = recompute_costs(stats)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
+from lightning_sac.profiling.data import MemorySnapshot, ModelProfile, ModuleProfile
 
 __all__ = [
     "MemoryConstraint",
@@ -38,6 +38,17 @@ def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str) -> in
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
     return total
+
+
+def _held(module: ModuleProfile) -> list[list[int]]:
+    """``[timeline index, bytes]`` a checkpoint of the module keeps alive that the plain step frees earlier.
+
+    Its inputs, and its output when its output op must stay saved (a stateful op's), each from when the plain
+    step frees it until the module's backward is over.
+    """
+    stats = module.op_stats
+    keeps_output = stats is not None and bool(stats.output_ops) and stats.output_ops[-1] in stats.stateful_ops
+    return module.freed_inputs + (module.freed_outputs if keeps_output else [])
 
 
 def backward_ends(profile: ModelProfile) -> dict[str, int]:
@@ -101,7 +112,7 @@ def memory_constraints(
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
 
     ends = backward_ends(profile)
-    holding = {j: profile.modules[j].freed_inputs for j in windows}
+    holding = {j: _held(profile.modules[j]) for j in windows}
 
     def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
         # A checkpoint holds its inputs until its backward ends; those the plain step freed by now are extra.

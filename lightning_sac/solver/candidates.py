@@ -1,0 +1,182 @@
+"""Which modules a plan may checkpoint (candidates), and why the others may not."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.recompute import recompute_transient, rerun_output_bytes
+from lightning_sac.solver.memory_model import activation_windows
+from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
+
+__all__ = [
+    "Candidate",
+    "excluded_reason",
+    "find_candidates",
+    "forward_temporaries",
+    "more_candidates_hint",
+    "op_stats",
+    "related",
+]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module the solver may checkpoint.
+
+    Attributes:
+        fqn: The module.
+        window: Timeline indices of its forward's end and its backward's start.
+        retained: Activation bytes its forward leaves alive without checkpointing, its output excluded.
+        transient: What a recompute of it holds at once besides its activations, with every op rerun: the bound
+            (:func:`~lightning_sac.recompute.recompute_transient`; a plan's prediction uses its policy's).
+        transient_line: ``(bytes, bytes per unit of discard ratio)``: a line through that quantity along the
+            trade-off's order, never above ``transient`` within the module's discard range, which the solver
+            plans with first (the bound is the fallback when a plan's own figures exceed the budget).
+        tradeoff: Its trade-off curve and fit.
+    """
+
+    fqn: str
+    window: tuple[int, int]
+    retained: int
+    transient: int
+    tradeoff: ModuleTradeoff
+    transient_line: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def min_discard(self) -> float:
+        """Smallest discard ratio that frees anything: below it, SAC would keep more than autograd did."""
+        acm = self.tradeoff.total_memory
+        return max(0.0, (acm - self.retained) / acm) if acm else 1.0
+
+    def freed(self, discard: float) -> float:
+        """Bytes freed at a discard ratio: what autograd kept minus what the policy saves."""
+        return self.retained - (1.0 - discard) * self.tradeoff.total_memory
+
+
+def _matches(m: ModuleProfile, candidates: Sequence[Any] | None) -> bool:
+    if candidates is None:
+        return True
+    for c in candidates:
+        if isinstance(c, str) and fnmatch.fnmatchcase(m.fqn, c):
+            return True
+        if isinstance(c, type) and c.__name__ == m.module_type:
+            return True
+    return False
+
+
+def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
+    """Why module ``fqn`` must not be checkpointed by a plan, or ``None``.
+
+    A module that runs under the model's own checkpointing, contains such a module or lies inside one, or
+    whose forward opens a checkpoint region itself, would be recomputed twice under nested regions that the
+    profile's op lists do not describe; one called with a KV cache that holds tokens would update it twice.
+    """
+    for own in profile.checkpointed_modules:
+        if related(own, fqn):
+            return f"already checkpointed by the model ({own or '<root>'})"
+    for caller in profile.checkpoint_callers:
+        if fqn == caller or fqn == "" or caller.startswith(fqn + "."):
+            return f"contains the model's own checkpointing ({caller or '<root>'})"
+    for holder in profile.kv_cache_with_tokens:
+        if related(holder, fqn):
+            return f"called with a KV cache that holds tokens ({holder or '<root>'})"
+    return None
+
+
+def find_candidates(
+    profile: ModelProfile, candidates: Sequence[Any] | None = None, n_segments: int = 2, backend: str = "sac"
+) -> list[Candidate]:
+    """Modules that can be checkpointed: with op stats, run once, with a backward, matching ``candidates``.
+
+    Op stats exist for non-leaf modules and for leaves that run several allocating ops, such as ``nn.LSTM``.
+
+    Modules that :func:`excluded_reason` names are left out.
+
+    Args:
+        profile: The profile.
+        candidates: Module classes or fqn glob patterns (``"blocks.*"``); ``None`` allows every module.
+        n_segments: Lines of each trade-off fit.
+        backend: The backend the plan is for (what its recompute brings back).
+    """
+    if candidates is not None:
+        bad = [c for c in candidates if not isinstance(c, (str, type))]
+        if bad:
+            raise TypeError(f"candidates must be module classes or fqn glob patterns, got {bad!r}.")
+    windows = activation_windows(profile)
+    found = []
+    for fqn, m in profile.modules.items():
+        if m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
+            continue
+        if excluded_reason(profile, fqn) is not None:
+            continue
+        post, pre = m.memory["post_forward"], m.memory["pre_forward"]
+        retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
+        tradeoff = module_tradeoff(m.op_stats, n_segments)
+        if tradeoff.total_memory == 0 or retained == 0:
+            continue  # nothing to free
+        bound = recompute_transient(m.op_stats, None, backend)
+        if bound is None:  # a profile without op lifetimes
+            bound = forward_temporaries(m) + rerun_output_bytes(m.op_stats, None, backend)
+            found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, (float(bound), 0.0)))
+            continue
+        line = _transient_line(m.op_stats, tradeoff, bound, backend)
+        found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, line))
+    return found
+
+
+def _transient_line(stats: ModuleOpStats, tradeoff: ModuleTradeoff, bound: int, backend: str) -> tuple[float, float]:
+    """A line for a recompute's transient in the discard ratio: ``(bytes, bytes per unit of ratio)``.
+
+    From the transient with nothing discarded, the lowest slope that reaches its value at each point of the
+    greedy order, capped so that the line stays within ``bound`` up to the largest discard ratio.
+    """
+    policy = [0 if i in set(stats.view_like_ops) else 1 for i in range(len(stats.func_names))]
+    base = float(recompute_transient(stats, policy, backend) or 0)
+    slope = 0.0
+    for unit, (discard, _) in zip(tradeoff.order, tradeoff.curve[1:], strict=True):
+        for i in unit.ops:
+            policy[i] = 0
+        if discard > 0:
+            slope = max(slope, ((recompute_transient(stats, policy, backend) or 0) - base) / discard)
+    if tradeoff.max_discard > 0:
+        slope = min(slope, max(0.0, (bound - base) / tradeoff.max_discard))
+    return base, slope
+
+
+def more_candidates_hint(profile: ModelProfile) -> str:
+    """The end of a BudgetError's advice: how more modules could be checkpointed."""
+    own = profile.checkpointed_modules or profile.checkpoint_callers
+    if not own:
+        return ", or allow more checkpoint candidates."
+    names = ", ".join(f or "<root>" for f in own[:3]) + (", ..." if len(own) > 3 else "")
+    text = (
+        f". The model already checkpoints {len(own)} module(s) itself ({names}), and lightning-sac plans around "
+        "them: it checkpoints no module that is, contains or lies inside one."
+    )
+    if profile.checkpointing_flags:
+        return text + (
+            " To let lightning-sac choose instead, turn Hugging Face's checkpointing off "
+            "(model.gradient_checkpointing_disable()) or pass replace_existing=True (AutoSAC, profile_model)."
+        )
+    return text + " To let lightning-sac choose instead, remove the model's own torch.utils.checkpoint calls."
+
+
+def forward_temporaries(m: ModuleProfile) -> int:
+    """Bytes the module's forward allocates and frees again, for a profile without op lifetimes."""
+    return max(m.forward_temporaries, sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values()))
+
+
+def op_stats(profile: ModelProfile, fqn: str) -> ModuleOpStats:
+    """The op stats of a candidate (which has them)."""
+    stats = profile.modules[fqn].op_stats
+    assert stats is not None  # candidates are modules with op stats
+    return stats
+
+
+def related(a: str, b: str) -> bool:
+    """Whether modules ``a`` and ``b`` are the same, or one contains the other."""
+    return a == "" or b == "" or b.startswith(a + ".") or a.startswith(b + ".")

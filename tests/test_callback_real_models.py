@@ -1,0 +1,84 @@
+"""AutoSAC on models we did not write, in Lightning: a Hugging Face decoder fed keyword batches from a DataLoader."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+from zoo import gpt2, lm_batch
+
+from lightning_sac import AutoSAC, profile_model
+
+GIB = 2**30
+
+
+class Batches(Dataset):
+    """Keyword batches as a tokenizer's collator makes them: input_ids, attention_mask (one row padded), labels."""
+
+    def __init__(self, n: int = 4) -> None:
+        self.batches = [lm_batch(128) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.batches[i]
+
+
+class HFModule(pl.LightningModule):
+    """The usual Hugging Face fine-tuning module: ``self.model(**batch).loss``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Batches(), batch_size=None)
+
+
+def fit(module: HFModule, tmp_path: Path, callbacks: list[Any]) -> HFModule:
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
+    trainer.fit(module)
+    return module
+
+
+def test_autosac_fits_a_hugging_face_decoder_as_a_plain_fit_does(tmp_path):
+    model = gpt2().model
+    profile = profile_model(model, lm_batch(128), optimizer_factory=lambda p: torch.optim.AdamW(p), device="cpu")
+    plain = fit(HFModule(copy.deepcopy(model)), tmp_path, [])
+    sac = AutoSAC(budget_gb=0.8 * profile.peak_bytes / GIB, measure=False, log_figures=False)
+    planned = fit(HFModule(copy.deepcopy(model)), tmp_path, [sac])
+    assert sac.plan is not None and sac.plan.decisions and sac.profiled
+    assert sac.plan.predicted_peak_bytes <= sac.plan.budget_bytes
+    assert planned.losses == plain.losses and len(plain.losses) == 4
+    for (name, p), q in zip(plain.named_parameters(), planned.parameters(), strict=True):
+        torch.testing.assert_close(q, p, msg=name)
+    # The user's module is given its own forwards back at the end of fit.
+    assert not any("forward" in m.__dict__ for m in planned.modules())

@@ -207,7 +207,8 @@ def test_gpt_plans_never_nest_and_respect_the_budget(gpt_profile, fraction):
 
 
 def test_gpt_recompute_grows_as_the_budget_tightens(gpt_profile):
-    costs = [solve_plan(gpt_profile, gpt_profile.peak_bytes * f / GIB).predicted_recompute_ms for f in (0.9, 0.75, 0.66)]
+    budgets = [gpt_profile.peak_bytes * f / GIB for f in (0.9, 0.75, 0.66)]
+    costs = [solve_plan(gpt_profile, b).predicted_recompute_ms for b in budgets]
     assert costs == sorted(costs) and costs[0] < costs[-1]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from test_callback import trainer
 from torch.utils.data import DataLoader, Dataset
 from zoo import gpt2, lm_batch
 
@@ -54,18 +55,7 @@ class HFModule(pl.LightningModule):
 
 def fit(module: HFModule, tmp_path: Path, callbacks: list[Any]) -> HFModule:
     pl.seed_everything(0)
-    trainer = pl.Trainer(
-        max_steps=4,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        default_root_dir=tmp_path,
-        callbacks=callbacks,
-    )
-    trainer.fit(module)
+    trainer(callbacks, tmp_path).fit(module)
     return module
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +31,23 @@ class Notices:
             warnings.warn(message, stacklevel=3)
 
 
-def _storages(x: Any) -> set[int]:
-    return {id(t.untyped_storage()) for t in flat_tensors(x)}
+class _Storages:
+    """Storages seen in one call, by identity: a weak reference rules out an ``id`` a freed storage left behind."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def add(self, storages: list[torch.UntypedStorage]) -> None:
+        for st in storages:
+            self._refs[id(st)] = weakref.ref(st)
+
+    def __contains__(self, st: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(id(st))
+        return ref is not None and ref() is st
+
+
+def _storages(x: Any) -> list[torch.UntypedStorage]:
+    return [t.untyped_storage() for t in flat_tensors(x)]
 
 
 class CallState:
@@ -49,8 +65,8 @@ class CallState:
         self.index = 0
         self.mismatch: str | None = None
         self.random_saved: bool | None = None
-        self.saved: set[int] = set()
-        self.made: set[int] = set()
+        self.saved = _Storages()
+        self.made = _Storages()
 
 
 class PlannedForward:
@@ -116,9 +132,9 @@ class PlannedForward:
             save = self.fallback(state, func, args, kwargs, output)
         if output is not None:
             made = _storages(output)
-            state.made |= made
+            state.made.add(made)
             if save:
-                state.saved |= made
+                state.saved.add(made)
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     @staticmethod
@@ -131,15 +147,16 @@ class PlannedForward:
         generator only for the random ops it reruns, so all must be alike). Everything else is recomputed,
         which keeps less than plain autograd would.
         """
-        written = {id(t.untyped_storage()) for t in mutated_tensors(func, args, kwargs)}
+        written = _storages(mutated_tensors(func, args, kwargs))
         if written:
             if output is None:
                 return True  # the graph backend keeps a written tensor's node itself; saving it adds no storage
-            if written - _storages(output):
+            returned = {id(st) for st in _storages(output)}
+            if any(id(st) not in returned for st in written):
                 return True  # it writes state it does not return
             # Saved when a recompute would write a saved tensor, or one from outside the call, a second time;
             # recomputed with its tensor when that is recomputed.
-            return bool(written & state.saved or written - state.made)
+            return any(st in state.saved or st not in state.made for st in written)
         if is_random(func, args, kwargs):
             if state.random_saved is None:
                 state.random_saved = False

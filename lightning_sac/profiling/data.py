@@ -154,8 +154,6 @@ class ModuleProfile:
             cost when a copy of it ran for real on this CPU (see :mod:`lightning_sac.profiling.calibrate`).
             Only with ``estimate="benchmark"``, and only for the modules that could be measured; the others use
             :attr:`ModelProfile.backend_overhead_us`.
-        forward_temporaries: The most bytes of tensors the first forward call made and freed again that were
-            alive at once: what a recompute of the module brings back besides its saved activations.
         freed_outputs: ``[timeline index, bytes]`` of each output storage of the first call that the plain step
             frees after the forward and before the module's backward is over, as for ``freed_inputs``. A
             checkpoint that must keep its output op (BatchNorm making the output a ReLU overwrites in place) keeps
@@ -182,7 +180,6 @@ class ModuleProfile:
     calls: int = 0
     op_stats: ModuleOpStats | None = None
     measured_overhead: dict[str, list[float]] = field(default_factory=dict)
-    forward_temporaries: int = 0
     freed_inputs: list[list[int]] = field(default_factory=list)
     freed_outputs: list[list[int]] = field(default_factory=list)
 

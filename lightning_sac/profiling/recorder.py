@@ -8,7 +8,6 @@ and ends, so nested modules share the records instead of copying them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,10 +16,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError, user_source_line
+from lightning_sac.profiling.backward_signals import BackwardSignals
 from lightning_sac.profiling.calibrate import input_spec
 from lightning_sac.profiling.data import MemorySnapshot, ModuleProfile, TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
@@ -41,13 +40,6 @@ from lightning_sac.profiling.step import tensors_of
 __all__ = ["StepRecorder"]
 
 _NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}
-
-
-@dataclass
-class _GradEvents:
-    produced_by: list[str] = field(default_factory=list)  # modules that returned the tensor
-    # (fqn, countdown) of the modules it was an input to
-    consumed_by: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -113,12 +105,10 @@ class StepRecorder(TorchDispatchMode):
         self._states: dict[str, _ModuleState] = {}
         self._input_of: dict[int, list[str]] = {}  # storage id -> modules whose first call took it as input
         self._output_of: dict[int, list[str]] = {}  # storage id -> modules whose first call returned it
-        # (op made it, ops run when freed, bytes) of each storage the forward makes and frees, in order of death
-        self._lifetimes: list[tuple[int, int, int]] = []
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
         self._handles: list[RemovableHandle] = []
-        self._tensor_events: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._signals = BackwardSignals(self._begin_backward, self._handles)
         self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
         for fqn, module in model.named_modules():
             is_leaf = next(module.children(), None) is None
@@ -193,7 +183,6 @@ class StepRecorder(TorchDispatchMode):
 
     def _on_free(self, key: int, nbytes: int) -> None:
         if self.phase == "forward" and key in self._producer:
-            self._lifetimes.append((self._producer[key], len(self.graph.ops), nbytes))
             self.graph.freed(self._producer[key])
         # An input (or output) freed after its module's forward and before its backward is over: a checkpoint
         # would keep it.
@@ -254,7 +243,7 @@ class StepRecorder(TorchDispatchMode):
             # Backward of this module is over once autograd has the gradients of its inputs, or, when no
             # input needs one (token ids), of its parameters.
             targets = [t for t in inputs if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
-            self._on_all_grads(fqn, targets, lambda: self._end_backward(fqn))
+            self._signals.when_all_grads(fqn, targets, lambda: self._end_backward(fqn))
 
         return hook
 
@@ -278,67 +267,11 @@ class StepRecorder(TorchDispatchMode):
             self.memory.close_watch(st.fwd_watch)
             st.op_end = len(self.graph.ops)
             st.pack_end = len(self.graph.packs)
-            st.profile.forward_temporaries = self._temporaries(st.op_start)
             for t in outputs:
                 if t.requires_grad:
-                    self._grad_events(t).produced_by.append(fqn)
+                    self._signals.produced(fqn, t)
 
         return hook
-
-    def _temporaries(self, op_start: int) -> int:
-        """The most bytes of tensors made and freed since op ``op_start`` that were alive at once.
-
-        A recompute of the module makes them again, alongside everything its backward holds by then; the
-        module's peak forward less its end state undercounts them when they come early in the forward.
-        """
-        events: list[tuple[int, int]] = []
-        for made, freed, nbytes in reversed(self._lifetimes):  # in order of death: the module's are the last
-            if freed <= op_start:
-                break
-            if made >= op_start:
-                events += [(made, nbytes), (freed, -nbytes)]
-        alive = peak = 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-            alive += delta
-            peak = max(peak, alive)
-        return peak
-
-    def _grad_events(self, t: torch.Tensor) -> _GradEvents:
-        # One hook per tensor, so that when several modules share a tensor (an identity module returns its
-        # input) their events run in a meaningful order rather than in hook registration order.
-        events = self._tensor_events.get(t)
-        if events is None:
-            events = _GradEvents()
-            self._tensor_events[t] = events
-            self._handles.append(t.register_hook(functools.partial(self._on_grad_ready, events)))
-        return events
-
-    def _on_grad_ready(self, events: _GradEvents, _grad: torch.Tensor) -> None:
-        # Backward runs forward in reverse: the module that finished its forward last begins first, and the
-        # module that took this tensor as input last ends first. A module that both returned and took this
-        # tensor (an identity) begins before it ends; every other producer begins once the consumers ended.
-        consumers = [fqn for fqn, _ in events.consumed_by]
-        for fqn in reversed(events.produced_by):
-            if fqn in consumers:
-                self._begin_backward(fqn)
-        for _, tick in reversed(events.consumed_by):
-            tick()
-        for fqn in reversed(events.produced_by):
-            self._begin_backward(fqn)
-
-    def _on_all_grads(self, fqn: str, tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
-        # torch.autograd.graph.register_multi_grad_hook would do, but it keeps every gradient alive until the
-        # last one arrives, which shifts the very memory this recorder measures. A countdown keeps none.
-        unique = list({id(t): t for t in tensors}.values())
-        remaining = [len(unique)]
-
-        def tick() -> None:
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                fn()
-
-        for t in unique:
-            self._grad_events(t).consumed_by.append((fqn, tick))
 
     def _begin_backward(self, fqn: str) -> None:
         st = self._states[fqn]

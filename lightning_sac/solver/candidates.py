@@ -166,8 +166,8 @@ def more_candidates_hint(profile: ModelProfile) -> str:
 
 
 def forward_temporaries(m: ModuleProfile) -> int:
-    """Bytes the module's forward allocates and frees again, for a profile without op lifetimes."""
-    return max(m.forward_temporaries, sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values()))
+    """Bytes the module's forward allocates and frees again, for a profile without op lifetimes (an older one)."""
+    return max(0, sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values()))
 
 
 def op_stats(profile: ModelProfile, fqn: str) -> ModuleOpStats:

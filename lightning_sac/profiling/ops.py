@@ -118,11 +118,16 @@ def undeclared_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     ``None``, and the boolean flags). Ops without a decomposition are taken from a short list of known ones; a
     decomposition that cannot run on meta tensors is taken at its schema's word.
     """
-    flat, spec = tree_flatten((args, kwargs))
-    key = (func, _pattern(flat))
-    if key not in _PROBED:
-        _PROBED[key] = _probe(func, flat, spec)
-    return [flat[i] for i in _PROBED[key]]
+    # Called for most ops of every dry run and graph region: the key is built without flattening.
+    key = (func, tuple(map(_pattern, args)), tuple((k, _pattern(v)) for k, v in kwargs.items()))
+    positions = _PROBED.get(key)
+    if positions is None:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = _PROBED[key] = _probe(func, flat, spec)
+    if not positions:
+        return []
+    flat = tree_flatten((args, kwargs))[0]
+    return [flat[i] for i in positions]
 
 
 def _probe(func: Any, flat: list[Any], spec: Any) -> tuple[int, ...]:

@@ -88,11 +88,17 @@ class RealValuesMode(TorchDispatchMode):
 
     Args:
         limit_bytes: Largest output produced for real.
+
+    Attributes:
+        enabled: Whether ops may run for real (all run on fake tensors otherwise).
     """
 
     def __init__(self, limit_bytes: int = REAL_LIMIT_BYTES) -> None:
         super().__init__()
         self.limit_bytes = limit_bytes
+        # Off for the optimizer's step: it takes no decision on the batch, and real step counters mixed into
+        # its fake updates would be converted to fake tensors anew at every op.
+        self.enabled = True
         # Storages of real tensors that ops with fake inputs wrote to: their values are unknown now.
         self._unknown: dict[int, weakref.ref[torch.UntypedStorage]] = {}
 
@@ -117,11 +123,15 @@ class RealValuesMode(TorchDispatchMode):
     ) -> Any:
         """Run ``func`` for real or on fake tensors, as the module docstring says."""
         kwargs = kwargs or {}
+        if not self.enabled:
+            return func(*args, **kwargs)
         tensors = flat_tensors(args) + flat_tensors(list(kwargs.values()))
-        if not all(self.is_real(t) for t in tensors) or is_random(func, args, kwargs):
-            for t in mutated_tensors(func, args, kwargs):
-                if not isinstance(t, FakeTensor):
-                    self._forget(t)
+        real = [not isinstance(t, FakeTensor) and self.is_real(t) for t in tensors]
+        if not all(real) or is_random(func, args, kwargs):
+            if any(real):  # a real tensor this op writes no longer holds known values
+                for t in mutated_tensors(func, args, kwargs):
+                    if not isinstance(t, FakeTensor):
+                        self._forget(t)
             try:
                 return func(*args, **kwargs)
             except _DYNAMIC_SHAPE as err:

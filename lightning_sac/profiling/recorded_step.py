@@ -79,6 +79,7 @@ def _create_optimizer_state(
     optimizer: torch.optim.Optimizer,
     params: list[nn.Parameter],
     keep_grads: bool = False,
+    on_phase: Callable[[str], None] = lambda phase: None,
 ) -> None:
     """Step the optimizer once so that its state exists when the recorded step begins.
 
@@ -87,7 +88,7 @@ def _create_optimizer_state(
     shapes from a forward, so for them the warm-up is a whole training step.
     """
     if any(isinstance(p, UninitializedParameter) for p in params):
-        training_step(model, inputs, compute_loss, optimizer)
+        training_step(model, inputs, compute_loss, optimizer, on_phase)
         return
     for p in params:
         if p.requires_grad:
@@ -131,11 +132,18 @@ def record_step(
     replaced = flags if replace_existing else []
     watch, caches = CheckpointWatch(fmodel), CacheSwitch(fmodel)
     switch: Any = contextlib.nullcontext() if kv_caches else caches
+    real_values = RealValuesMode()
+
+    def real_in(phase: str) -> None:
+        real_values.enabled = phase in ("forward", "backward")
+
     # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one.
-    with flags_off(fmodel, replaced), real_step_answers(), watch, switch, mode, RealValuesMode(), emulation:
+    with flags_off(fmodel, replaced), real_step_answers(), watch, switch, mode, real_values, emulation:
         optimizer = step.make_optimizer(fmodel) if step.make_optimizer is not None else None
         if optimizer is not None:
-            _create_optimizer_state(fmodel, finputs, forward, optimizer, params, keep_grads=step.lightning_order)
+            real_in("optimizer")
+            keep = step.lightning_order
+            _create_optimizer_state(fmodel, finputs, forward, optimizer, params, keep_grads=keep, on_phase=real_in)
         cpu = not spec.is_cuda
         recorder = StepRecorder(
             fmodel,
@@ -151,14 +159,14 @@ def record_step(
             recorder.track_existing(optimizer_state(optimizer, params), "optimizer_state")
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
+
+            def on_phase(phase: str) -> None:
+                real_in(phase)
+                recorder.set_phase(phase)
+
             with recorder:
                 training_step(
-                    fmodel,
-                    finputs,
-                    forward,
-                    optimizer,
-                    recorder.set_phase,
-                    zero_grad_before_backward=step.lightning_order,
+                    fmodel, finputs, forward, optimizer, on_phase, zero_grad_before_backward=step.lightning_order
                 )
         finally:
             recorder.close()

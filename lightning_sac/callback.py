@@ -14,16 +14,16 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.profiler import ProfilerActivity, profile
 from typing_extensions import override
 
 from lightning_sac.apply import PlanHandle, apply_plan
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
-from lightning_sac.measure import MemoryTimeline, memory_timeline, unique_bytes
+from lightning_sac.fit_measure import StepMeasurement, compare_measured
+from lightning_sac.fit_step import FitStepSettings, profile_lightning_step
+from lightning_sac.measure import MemoryTimeline
 from lightning_sac.plan import Plan, fingerprint_of
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.profiling.dry_run import profile_step
 from lightning_sac.profiling.step import tensors_of
 from lightning_sac.recompute import check_backend
 from lightning_sac.report.tensorboard import TAG, log_measured, log_plan
@@ -32,30 +32,7 @@ from lightning_sac.solver.milp import solve_plan
 __all__ = ["AutoSAC"]
 
 _GIB = 2**30
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _SUPPORTED = (SingleDeviceStrategy, DDPStrategy)
-
-
-def _training_loss(out: Any) -> torch.Tensor:
-    # training_step may return the loss, or a dict holding it under "loss", as Lightning accepts.
-    loss = out.get("loss") if isinstance(out, dict) else out
-    if not isinstance(loss, torch.Tensor):
-        raise ProfilingError(
-            f"AutoSAC needs training_step to return the loss (a tensor, or a dict with 'loss'); it returned "
-            f"{type(out).__name__}. Manual optimization is not supported."
-        )
-    return loss
-
-
-def _first_optimizer(conf: Any) -> torch.optim.Optimizer | None:
-    """The first optimizer of whatever ``configure_optimizers`` returned (schedulers are ignored)."""
-    if conf is None or isinstance(conf, torch.optim.Optimizer):
-        return conf
-    if isinstance(conf, dict):
-        return _first_optimizer(conf.get("optimizer"))
-    if isinstance(conf, (list, tuple)) and conf:
-        return _first_optimizer(conf[0])
-    raise TypeError(f"AutoSAC cannot find an optimizer in configure_optimizers' return value {conf!r}.")
 
 
 class AutoSAC(Callback):
@@ -148,8 +125,7 @@ class AutoSAC(Callback):
         self._restored: Plan | None = None
         self._handle: PlanHandle | None = None
         self._writer: Any = None
-        self._profiler: Any = None
-        self._baseline = 0
+        self._measurement = StepMeasurement()
         self._steps_seen = 0
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -202,36 +178,17 @@ class AutoSAC(Callback):
             return
         self._steps_seen += 1
         # The second step of the fit: the optimizer's state exists by then, as the prediction assumes.
-        if self._profiler is None and self._steps_seen == 2:
-            if trainer.accumulate_grad_batches == 1:
-                # torch.profiler reports no free for a block allocated before it started, so the previous step's
-                # gradients, which Lightning sets to None just before backward, would count twice. Setting them
-                # to None now changes nothing in training: backward writes fresh ones either way.
-                for optimizer in trainer.optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-            # Alive when the step begins: parameters, buffers, gradients, optimizer state and the batch.
-            state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
-            tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
-            tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self._baseline = unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
-            self._profiler = profile(
-                activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
-                profile_memory=True,
-                record_shapes=True,
-                with_stack=True,
-            )
-            self._profiler.__enter__()
+        if not self._measurement.running and self._steps_seen == 2:
+            self._measurement.start(trainer, pl_module, batch)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._profiler is None or self.plan is None:
+        if not self._measurement.running or self.plan is None:
             return
-        self._profiler.__exit__(None, None, None)
         device = trainer.strategy.root_device
-        self.measured = memory_timeline(self._profiler, str(device), self._baseline)
-        self._profiler = None
+        self.measured = self._measurement.stop(device)
         writer = self._summary_writer(trainer)
         log_measured(writer, self.measured, budget_bytes=self.plan.budget_bytes, figures=self.log_figures)
         if device.type == "cuda":
@@ -241,19 +198,7 @@ class AutoSAC(Callback):
     def compare_measured(self, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
         """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
         assert self.plan is not None
-        if ("cuda" if target_is_cuda else "cpu") != device_type:
-            rank_zero_info(
-                f"AutoSAC planned for {self.plan.device} but trains on {device_type}: the measured peak "
-                f"({measured_bytes / _GIB:.3f} GiB) is logged, not compared with the budget."
-            )
-            return
-        if measured_bytes > self.plan.budget_bytes:
-            rank_zero_warn(
-                f"AutoSAC: the measured peak of a planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
-                f"the budget of {self.plan.budget_gb:.3f} GiB (predicted {self.plan.predicted_peak_bytes / _GIB:.3f} "
-                "GiB). The plan did not take effect as planned or the estimate was wrong; lower the budget or "
-                "check the warnings above."
-            )
+        compare_measured(self.plan, measured_bytes, device_type, target_is_cuda)
 
     def _summary_writer(self, trainer: pl.Trainer) -> Any:
         """The trainer's TensorBoard writer when it has a TensorBoardLogger, otherwise our own."""
@@ -273,9 +218,7 @@ class AutoSAC(Callback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        if self._profiler is not None:  # fit ended inside the measured step
-            self._profiler.__exit__(None, None, None)
-            self._profiler = None
+        self._measurement.abandon()  # when fit ended inside the measured step
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -345,27 +288,9 @@ class AutoSAC(Callback):
         spec = self._target(trainer)
         budget, world_size, sharding = self._settings(trainer, spec)
 
-        def compute_loss(module: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.Tensor:
-            # The fake copy logs nothing: its values are fake, and the trainer's logger is the user's.
-            module.__dict__["log"] = module.__dict__["log_dict"] = lambda *a, **k: None
-            return _training_loss(module.training_step(inputs[0], 0))  # type: ignore[operator]
-
-        def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer | None:
-            return _first_optimizer(module.configure_optimizers())  # type: ignore[operator]
-
+        settings = FitStepSettings(spec, self.estimate, self.replace_existing)
         try:
-            profile = profile_step(
-                pl_module,
-                (batch,),
-                compute_loss,
-                make_optimizer=make_optimizer,
-                device=spec,
-                estimate=self.estimate,
-                share=(trainer,),
-                autocast_dtype=_AUTOCAST.get(str(trainer.precision)),
-                lightning_order=True,
-                replace_existing=self.replace_existing,
-            )
+            profile = profile_lightning_step(trainer, pl_module, batch, settings)
         except ProfilingError as err:
             if self.strict:
                 raise

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-import lightning_sac.callback as callback_module
+import lightning_sac.fit_step as fit_step_module
 from lightning_sac import AutoSAC, BudgetError, Plan, ProfilingError
 from lightning_sac.demos import GPTConfig
 from lightning_sac.demos_lightning import GPTModule
@@ -133,7 +133,7 @@ def test_resume_restores_the_plan_without_profiling(tmp_path, monkeypatch):
     def no_profiling(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("resuming must not profile again")
 
-    monkeypatch.setattr(callback_module, "profile_step", no_profiling)
+    monkeypatch.setattr(fit_step_module, "profile_step", no_profiling)
     second = AutoSAC(budget_gb=budget)
     record = Record(tmp_path)
     trainer([second, record], tmp_path, max_steps=4).fit(module(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
@@ -165,13 +165,13 @@ def test_a_budget_larger_than_needed_wraps_nothing(tmp_path):
 
 def test_bf16_mixed_plans_with_bf16_activations(tmp_path, monkeypatch):
     profiles = []
-    real = callback_module.profile_step
+    real = fit_step_module.profile_step
 
     def keep(*args: Any, **kwargs: Any) -> Any:
         profiles.append(real(*args, **kwargs))
         return profiles[-1]
 
-    monkeypatch.setattr(callback_module, "profile_step", keep)
+    monkeypatch.setattr(fit_step_module, "profile_step", keep)
     for precision in ("32-true", "bf16-mixed"):
         trainer([AutoSAC(budget_gb=8.0)], tmp_path, max_steps=1, precision=precision).fit(module())
     fp32, bf16 = (p.modules["model.blocks.0.attn.qkv"].output_bytes for p in profiles)
@@ -204,7 +204,7 @@ def test_plan_path_is_written_then_reused(tmp_path, monkeypatch):
     first = AutoSAC(budget_gb=budget, plan_path=path)
     trainer([first], tmp_path, max_steps=1).fit(module())
     assert Plan.from_json(path.read_text()) == first.plan
-    monkeypatch.setattr(callback_module, "profile_step", lambda *a, **k: pytest.fail("plan_path must be reused"))
+    monkeypatch.setattr(fit_step_module, "profile_step", lambda *a, **k: pytest.fail("plan_path must be reused"))
     second = AutoSAC(budget_gb=budget, plan_path=path)
     trainer([second], tmp_path, max_steps=1).fit(module())
     assert second.plan == first.plan and not second.profiled

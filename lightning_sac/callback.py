@@ -17,17 +17,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sac.apply import PlanHandle, apply_plan
+from lightning_sac.batch_shapes import check_max_shapes, grow_batch, max_shapes_signature, signature_of
+from lightning_sac.callback_args import check_autosac_args
 from lightning_sac.devices import DeviceSpec, get_device_spec
-from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
+from lightning_sac.errors import LightningSACError, ProfilingError
 from lightning_sac.fit_measure import StepMeasurement, compare_measured
+from lightning_sac.fit_planning import (
+    first_training_batch,
+    own_checkpointing_message,
+    read_plan_file,
+    solve_or_minimum,
+)
 from lightning_sac.fit_step import FitStepSettings, profile_lightning_step
 from lightning_sac.measure import MemoryTimeline
 from lightning_sac.plan import Plan, fingerprint_of
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.profiling.step import tensors_of
-from lightning_sac.recompute import check_backend
+from lightning_sac.profiling.placeholders import placeholder_message
+from lightning_sac.profiling.step import loop_signature, tensors_of
 from lightning_sac.report.tensorboard import TAG, log_measured, log_plan
-from lightning_sac.solver.milp import solve_plan
+from lightning_sac.shape_plans import ShapePlan, ShapePlans, follow_batch
 
 __all__ = ["AutoSAC"]
 
@@ -45,9 +53,12 @@ class AutoSAC(Callback):
     ``callback.plan``; it is saved in checkpoints and restored on resume without profiling again. At the end of
     ``fit`` the model's modules get their own ``forward`` back.
 
-    Plan with the worst-case batch. The default example is the first training batch; with variable-length data
-    a longer batch later needs more memory than planned for, so pass ``example_batch`` or ``example_batch_fn``
-    with the longest sequences you train on.
+    Variable shapes: the first plan is made for the first training batch (or ``example_batch``). Before every
+    batch, the ranks agree on the dim-wise largest shapes of their batches; a batch outside what the applied plan
+    was made for (a tensor dim larger than planned, or other tensors) is never run on it: AutoSAC applies a
+    cached plan that covers it or plans again for it, says so, and every rank applies the identical new plan
+    (:mod:`lightning_sac.shape_plans`). To plan once for the worst case instead, pass ``max_shapes`` (or
+    ``example_batch``/``example_batch_fn`` with the longest sequences you train on).
 
     Args:
         budget_gb: Memory budget per device, GiB.
@@ -60,11 +71,16 @@ class AutoSAC(Callback):
         n_segments: Lines of each module's trade-off fit.
         solver_time_limit_s: HiGHS time limit.
         plan_path: A JSON file: reused when the model structure, batch shapes and settings match, written
-            otherwise.
+            otherwise, and rewritten with the new plan at each re-plan for a larger batch.
         strict: ``True``: a budget below the minimum or a step the profiler cannot run stops ``fit`` before any
             step. ``False``: warn, then apply the minimum-memory plan, or train without a plan.
         example_batch: The batch to plan for, instead of the first training batch.
         example_batch_fn: Or a function returning it.
+        max_shapes: The largest shape of each tensor of a batch, mirroring the batch, e.g.
+            ``{"input_ids": (8, 512), "attention_mask": (8, 512), "labels": (8, 512)}`` for a dict batch or
+            ``((8, 512), (8,))`` for a tuple; a key left out (or ``None``) keeps the tensor's shape. AutoSAC plans
+            once for the example batch grown to these shapes (each grown dim repeats the tensor's last entry, so
+            ids stay ids and a padded row stays padded); a batch still larger is planned for when it comes.
         log_figures: Log the plan's figures to TensorBoard (scalars and the plan table are always logged).
         measure: Profile the second real training step (the optimizer's state exists by then) with
             torch.profiler and log its memory timeline and peak beside the prediction; warn when it exceeds the
@@ -89,20 +105,30 @@ class AutoSAC(Callback):
         strict: bool = True,
         example_batch: Any = None,
         example_batch_fn: Callable[[], Any] | None = None,
+        max_shapes: Any = None,
         log_figures: bool = True,
         measure: bool = True,
         replace_existing: bool = False,
     ) -> None:
-        if (budget_gb is None) == (budget_fraction is None):
-            raise ValueError(
-                f"AutoSAC needs exactly one of budget_gb or budget_fraction, got budget_gb={budget_gb} and "
-                f"budget_fraction={budget_fraction}."
-            )
-        if budget_fraction is not None and not 0 < budget_fraction <= 1:
-            raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction}.")
-        check_backend(backend)
-        if example_batch is not None and example_batch_fn is not None:
-            raise ValueError("Pass example_batch or example_batch_fn, not both.")
+        check_autosac_args(
+            budget_gb=budget_gb,
+            budget_fraction=budget_fraction,
+            device=device,
+            estimate=estimate,
+            candidates=candidates,
+            backend=backend,
+            n_segments=n_segments,
+            solver_time_limit_s=solver_time_limit_s,
+            plan_path=plan_path,
+            flags={
+                "strict": strict,
+                "log_figures": log_figures,
+                "measure": measure,
+                "replace_existing": replace_existing,
+            },
+            example_batch=example_batch,
+            example_batch_fn=example_batch_fn,
+        )
         self.budget_gb = budget_gb
         self.budget_fraction = budget_fraction
         self.device = device
@@ -115,6 +141,10 @@ class AutoSAC(Callback):
         self.strict = strict
         self.example_batch = example_batch
         self.example_batch_fn = example_batch_fn
+        check_max_shapes(max_shapes)
+        self.max_shapes = max_shapes
+        #: Every plan of the fit by the batch shapes it was made for (see :mod:`lightning_sac.shape_plans`).
+        self.shape_plans = ShapePlans()
         self.log_figures = log_figures
         self.measure = measure
         self.replace_existing = replace_existing
@@ -126,7 +156,6 @@ class AutoSAC(Callback):
         self._handle: PlanHandle | None = None
         self._writer: Any = None
         self._measurement = StepMeasurement()
-        self._steps_seen = 0
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -139,17 +168,21 @@ class AutoSAC(Callback):
                 f"AutoSAC supports single-device and DDP training; got {type(strategy).__name__}. Use "
                 "strategy='ddp' (or a single device), or remove AutoSAC."
             )
-        if not pl_module.automatic_optimization:
-            raise ValueError("AutoSAC supports automatic optimization only; this LightningModule optimizes manually.")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         batch = self._example_batch(trainer)
+        if self.max_shapes is not None:
+            batch = grow_batch(batch, max_shapes_signature(batch, self.max_shapes))
         payload: dict[str, Any] = {}
         if trainer.is_global_zero:
             try:
-                plan = self._reuse(pl_module, batch, trainer) or self._make_plan(trainer, pl_module, batch)
+                cached = self._cached_shape_plan(pl_module, batch, trainer)
+                plan = cached.plan if cached else self._reuse(pl_module, batch, trainer)
+                plan = plan or self._make_plan(trainer, pl_module, batch)
+                self.shape_plans.start(cached.signature if cached else signature_of(batch), plan)
                 payload = {"plan": None if plan is None else plan.to_json(), "profiled": self.profiled}
+                payload["shape_plans"] = self.shape_plans.state_dict()  # every rank follows shapes with this cache
             except Exception as err:
                 # Every rank waits for this broadcast: tell them, then raise here with the full traceback.
                 trainer.strategy.broadcast({"error": type(err).__name__, "message": str(err)}, src=0)
@@ -161,6 +194,7 @@ class AutoSAC(Callback):
             )
         self.profiled = payload["profiled"]
         self.plan = None if payload["plan"] is None else Plan.from_json(payload["plan"])
+        self.shape_plans.load_state_dict(payload["shape_plans"])
         if self.plan is None:
             return
         self._handle = apply_plan(pl_module, self.plan, backend=self.backend)
@@ -174,12 +208,11 @@ class AutoSAC(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not (self.measure and self.plan is not None and trainer.is_global_zero and self.measured is None):
-            return
-        self._steps_seen += 1
-        # The second step of the fit: the optimizer's state exists by then, as the prediction assumes.
-        if not self._measurement.running and self._steps_seen == 2:
-            self._measurement.start(trainer, pl_module, batch)
+        self._follow_shapes(trainer, pl_module, batch, batch_idx)  # first: the batch must run on a plan made for it
+        measuring = self.measure and not self._measurement.failed and self.measured is None
+        if measuring and self.plan is not None and trainer.is_global_zero:
+            # The second optimizer step of the fit: the optimizer's state exists by then, as the prediction assumes.
+            self._measurement.batch_start(trainer, pl_module, batch)
 
     @override
     def on_train_batch_end(
@@ -187,8 +220,19 @@ class AutoSAC(Callback):
     ) -> None:
         if not self._measurement.running or self.plan is None:
             return
+        try:
+            measured = self._measurement.batch_end(trainer)
+        except Exception as err:  # noqa: BLE001 - the measurement is a check beside training, never its end
+            self._measurement.abandon(failed=True)
+            rank_zero_warn(
+                f"AutoSAC could not measure the planned step ({type(err).__name__}: {err}). Training goes on with "
+                "the plan; its prediction is not compared with a measurement."
+            )
+            return
+        if measured is None:
+            return
+        self.measured = measured
         device = trainer.strategy.root_device
-        self.measured = self._measurement.stop(device)
         writer = self._summary_writer(trainer)
         log_measured(writer, self.measured, budget_bytes=self.plan.budget_bytes, figures=self.log_figures)
         if device.type == "cuda":
@@ -215,6 +259,16 @@ class AutoSAC(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown hook of callbacks when fit raises: the user's modules get their own forward
+        # back here, so that the model they keep after the exception is the model they built.
+        self._restore()
+
+    def _restore(self) -> None:
+        """Remove the plan from the model, stop a measurement under way and close our writer."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -225,12 +279,67 @@ class AutoSAC(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"plan": None if self.plan is None else self.plan.to_json()}
+        # The applied plan, and every plan of the fit by shape: a resumed fit reuses whichever covers its batches.
+        return {
+            "plan": None if self.plan is None else self.plan.to_json(),
+            "shape_plans": self.shape_plans.state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         text = state_dict.get("plan")
         self._restored = None if text is None else Plan.from_json(text)
+        self.shape_plans.load_state_dict(state_dict.get("shape_plans", {}))
+
+    # ------------------------------------------------------------------ variable shapes
+    def _follow_shapes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        """Before a batch outside the applied plan's shapes on any rank: apply a cached plan or plan again."""
+        if self.shape_plans.current is None:  # training without a plan: AutoSAC said so already
+            return
+
+        def make_plan(example: Any) -> Plan | None:
+            # Global rank 0 only. The dry run must see the model's own forwards, and must not move the run's
+            # random numbers (dropout masks, shuffling) away from a plain fit's.
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            with torch.random.fork_rng(devices=devices):
+                return self._make_plan(trainer, pl_module, example)
+
+        change = follow_batch(self.shape_plans, trainer, batch, batch_idx, make_plan)
+        if change is None:
+            return
+        if change.failed:
+            rank_zero_warn(change.message)
+        elif change.message:
+            rank_zero_info(change.message)
+        if self._handle is not None:
+            self._handle.remove()
+        self.plan = change.entry.plan
+        self._handle = apply_plan(pl_module, self.plan, backend=self.backend)
+        if not change.planned:
+            return
+        self.profiled = True
+        rank_zero_info(f"AutoSAC plan ({self.backend} backend):\n{self.plan.table()}")
+        if trainer.is_global_zero:
+            if self.plan_path is not None:
+                self.plan_path.write_text(self.plan.to_json(indent=1))
+            writer = self._summary_writer(trainer)
+            log_plan(writer, self.plan, self.profile, step=trainer.global_step, figures=self.log_figures)
+
+    def _cached_shape_plan(self, pl_module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> ShapePlan | None:
+        """A restored plan whose shapes cover ``batch``'s, after dropping those made for another run."""
+        dropped = self.shape_plans.retain(lambda e: self._matches(e.plan, pl_module, e.signature.meta_batch(), trainer))
+        if dropped:
+            rank_zero_warn(f"AutoSAC: restored plans that do not fit this run are dropped: {'; '.join(dropped)}.")
+        cached = self.shape_plans.covering(signature_of(batch))
+        if cached is not None:
+            rank_zero_info(
+                f"AutoSAC: reusing the plan made for {cached.signature.describe()} (from the checkpoint or an earlier "
+                "fit), which covers the first batch; no profiling needed."
+            )
+        return cached
 
     # ------------------------------------------------------------------ planning
     def _example_batch(self, trainer: pl.Trainer) -> Any:
@@ -238,16 +347,7 @@ class AutoSAC(Callback):
             return self.example_batch
         if self.example_batch_fn is not None:
             return self.example_batch_fn()
-        loaders: Any = trainer.train_dataloader  # the user's loader, or a collection of them
-        while isinstance(loaders, (list, tuple, dict)):
-            loaders = next(iter(loaders.values() if isinstance(loaders, dict) else loaders), None)
-        if loaders is None:
-            raise ValueError("AutoSAC found no training dataloader; pass example_batch or example_batch_fn.")
-        # Starting a DataLoader iterator draws its base seed from the global generator: fork it, so that the
-        # run's random numbers (shuffling, dropout) are the same with AutoSAC as without.
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            return next(iter(loaders))
+        return first_training_batch(trainer)
 
     def _target(self, trainer: pl.Trainer) -> DeviceSpec:
         if self.device is not None:
@@ -262,8 +362,9 @@ class AutoSAC(Callback):
         """Why ``plan`` does not fit this run, or ``None`` when it does."""
         spec = self._target(trainer)
         budget, world_size, sharding = self._settings(trainer, spec)
-        if plan.fingerprint != fingerprint_of(pl_module, (batch,)):
-            return "the model structure or batch shapes changed"
+        loop = loop_signature(trainer.accumulate_grad_batches, manual=not pl_module.automatic_optimization)
+        if plan.fingerprint != fingerprint_of(pl_module, (batch,), loop=loop):
+            return "the model structure, batch shapes or training loop (accumulate_grad_batches, manual) changed"
         if (plan.device, plan.world_size, plan.sharding) != (spec.name, world_size, sharding):
             return "the device, world size or sharding changed"
         if plan.budget_bytes != int(budget * _GIB):
@@ -273,7 +374,7 @@ class AutoSAC(Callback):
     def _reuse(self, pl_module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> Plan | None:
         sources = [("the checkpoint", self._restored)]
         if self.plan_path is not None and self.plan_path.exists():
-            sources.append((str(self.plan_path), Plan.from_json(self.plan_path.read_text())))
+            sources.append((str(self.plan_path), read_plan_file(self.plan_path)))
         for where, plan in sources:
             if plan is None:
                 continue
@@ -296,39 +397,25 @@ class AutoSAC(Callback):
                 raise
             rank_zero_warn(f"AutoSAC could not profile the training step, so training runs without a plan: {err}")
             return None
+        told = self.profile.placeholders if self.profile is not None else []
         self.profiled = True
         self.profile = profile
-        own = profile.checkpointed_modules or profile.checkpoint_callers
-        if own:
-            how = (
-                "AutoSAC(replace_existing=True) or model.gradient_checkpointing_disable()"
-                if profile.checkpointing_flags
-                else "removing its torch.utils.checkpoint calls"
-            )
-            rank_zero_info(
-                f"AutoSAC: the model already checkpoints {len(own)} module(s) itself ({', '.join(own[:3])}"
-                f"{', ...' if len(own) > 3 else ''}); the plan leaves them, and every module around or inside "
-                f"them, alone. To let AutoSAC choose instead: {how}."
-            )
+        if profile.placeholders and profile.placeholders != told:  # once, not again for each re-plan
+            rank_zero_info(placeholder_message(profile.placeholders))
+        own = own_checkpointing_message(profile)
+        if own is not None:
+            rank_zero_info(own)
         if len(tensors_of(batch)) == 0:
             warnings.warn("AutoSAC's example batch holds no tensors.", stacklevel=2)
 
-        def solve(budget_gb: float) -> Plan:
-            return solve_plan(
-                profile,
-                budget_gb,
-                world_size=world_size,
-                sharding=sharding,
-                candidates=self.candidates,
-                n_segments=self.n_segments,
-                time_limit_s=self.solver_time_limit_s,
-                backend=self.backend,
-            )
-
-        try:
-            return solve(budget)
-        except BudgetError as err:
-            if self.strict:
-                raise
-            rank_zero_warn(f"{err} strict=False: applying the minimum-memory plan instead.")
-            return solve(err.minimum_bytes * 1.001 / _GIB)
+        return solve_or_minimum(
+            profile,
+            budget,
+            strict=self.strict,
+            world_size=world_size,
+            sharding=sharding,
+            candidates=self.candidates,
+            n_segments=self.n_segments,
+            time_limit_s=self.solver_time_limit_s,
+            backend=self.backend,
+        )

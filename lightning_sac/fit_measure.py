@@ -1,4 +1,13 @@
-"""AutoSAC's measurement of a planned step inside ``fit``: torch.profiler's allocator events, beside the plan."""
+"""AutoSAC's measurement of a planned step inside ``fit``: torch.profiler's allocator events, beside the plan.
+
+The measured step is the fit's second optimizer step, a whole accumulation cycle (``accumulate_grad_batches``
+micro-batches), measured exactly as training runs it: nothing of the training state is changed to make it
+measurable. torch.profiler reports no free of a block allocated before it started, so the profiler starts one
+cycle earlier, at the first micro-batch: the blocks the measured cycle frees (the previous cycle's gradients,
+the batch prefetched during it) were then allocated under the profiler, and their frees are in the record.
+The measured peak is the bytes alive when the measured cycle begins (parameters, buffers, gradients, optimizer
+state and the batch, each storage once) plus the highest net allocation inside the cycle's window.
+"""
 
 from __future__ import annotations
 
@@ -7,58 +16,105 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_sac.measure import MemoryTimeline, memory_timeline, unique_bytes
+from lightning_sac.measure import MemoryTimeline, event_name, memory_timeline, unique_bytes
 from lightning_sac.plan import Plan
 from lightning_sac.profiling.step import tensors_of
 
-__all__ = ["StepMeasurement", "compare_measured"]
+__all__ = ["StepMeasurement", "compare_measured", "window_peak"]
 
 _GIB = 2**30
+_WINDOW = "lightning_sac_measured_cycle"
+
+
+def window_peak(events: list[tuple[int, int]], window: tuple[int, int], alive_at_start: int) -> int:
+    """``alive_at_start`` plus the highest net allocation of the allocator ``events`` inside ``window`` (ns)."""
+    lo, hi = window
+    alive = peak = alive_at_start
+    for ns, delta in sorted(events):
+        if lo <= ns <= hi:
+            alive += delta
+            peak = max(peak, alive)
+    return peak
+
+
+def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
+    """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with."""
+    state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
+    tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
+    tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
+    return unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
 
 
 class StepMeasurement:
-    """Profiles one training step of ``fit`` with torch.profiler: :meth:`start` before it, :meth:`stop` after."""
+    """Profiles the fit's second accumulation cycle with torch.profiler (see the module docstring).
+
+    Call :meth:`batch_start` and :meth:`batch_end` for every training batch from the first one on; the second
+    returns the measured cycle's timeline once it ends, ``None`` before.
+
+    Attributes:
+        failed: Reading the profile failed; the measurement is not tried again.
+    """
 
     def __init__(self) -> None:
         self._profiler: Any = None
+        self._window: Any = None
         self._baseline = 0
+        self._seen = 0
+        self.failed = False
 
     @property
     def running(self) -> bool:
-        """Whether a step is being measured."""
+        """Whether the profiler runs."""
         return self._profiler is not None
 
-    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Start profiling; what is alive now is the step's baseline."""
-        if trainer.accumulate_grad_batches == 1:
-            # torch.profiler reports no free for a block allocated before it started, so the previous step's
-            # gradients, which Lightning sets to None just before backward, would count twice. Setting them
-            # to None now changes nothing in training: backward writes fresh ones either way.
-            for optimizer in trainer.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-        # Alive when the step begins: parameters, buffers, gradients, optimizer state and the batch.
-        state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
-        tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
-        tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
-        self._baseline = unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
-        self._profiler = profile(
-            activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        )
-        self._profiler.__enter__()
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Start the profiler before the first micro-batch, and the measured window before the cycle after it."""
+        k = trainer.accumulate_grad_batches
+        if self._seen == 0:
+            self._profiler = profile(
+                activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self._profiler.__enter__()
+        elif self._seen == k and self._profiler is not None:
+            self._baseline = _alive_bytes(trainer, pl_module, batch)
+            self._window = record_function(_WINDOW)
+            self._window.__enter__()
+        self._seen += 1
 
-    def stop(self, device: torch.device) -> MemoryTimeline:
-        """Stop profiling and return the measured step's memory timeline."""
-        self._profiler.__exit__(None, None, None)
+    def batch_end(self, trainer: pl.Trainer) -> MemoryTimeline | None:
+        """The measured cycle's memory once its last micro-batch ended, else ``None``.
+
+        Raises:
+            Exception: Whatever reading the profile raised; the profiler is stopped first.
+        """
+        if self._window is None or self._seen < 2 * trainer.accumulate_grad_batches:
+            return None
+        self._window.__exit__(None, None, None)
+        self._window = None
         prof, self._profiler = self._profiler, None
-        return memory_timeline(prof, str(device), self._baseline)
+        prof.__exit__(None, None, None)
+        device = str(trainer.strategy.root_device)
+        timeline = memory_timeline(prof, device, self._baseline)
+        kineto = prof.profiler.kineto_results.events()
+        # Python events' names can be undecodable after a compile in the window (measure.event_name).
+        marks = [e for e in kineto if not e.is_python_function() and event_name(e) == _WINDOW]
+        if not marks:
+            raise RuntimeError(f"the profile holds no {_WINDOW!r} range")
+        window = (marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns())
+        timeline.peak_bytes = window_peak(timeline.events, window, self._baseline)
+        return timeline
 
-    def abandon(self) -> None:
-        """Stop profiling without a result (``fit`` ended inside the measured step)."""
+    def abandon(self, failed: bool = False) -> None:
+        """Stop profiling without a result (``fit`` ended, or the measurement failed: then it is not retried)."""
+        self.failed = self.failed or failed
+        if self._window is not None:
+            self._window.__exit__(None, None, None)
+            self._window = None
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None

@@ -1,7 +1,9 @@
 """The dry run of a LightningModule's own training step: what :class:`~lightning_sac.AutoSAC` profiles.
 
 The fake copy of the module runs its ``training_step`` and the optimizer of its ``configure_optimizers``, with
-the trainer's precision and Lightning's order of ``zero_grad``, so the profile is of the step ``fit`` runs.
+the trainer's precision, Lightning's order of ``zero_grad`` and its gradient accumulation, so the profile is of the
+step ``fit`` runs. A module that optimizes manually runs its own step, backward passes and optimizer steps on the
+fake copy through Lightning's manual-optimization API (:mod:`lightning_sac.fit_manual`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
+from lightning_sac.fit_manual import ManualDryRun
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.dry_run import profile_step
 
@@ -28,7 +31,7 @@ def training_loss(out: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise ProfilingError(
             f"AutoSAC needs training_step to return the loss (a tensor, or a dict with 'loss'); it returned "
-            f"{type(out).__name__}. Manual optimization is not supported."
+            f"{type(out).__name__}."
         )
     return loss
 
@@ -64,27 +67,37 @@ def profile_lightning_step(
 ) -> ModelProfile:
     """Dry-run ``pl_module``'s ``training_step`` on ``batch`` and its optimizer's step, as ``trainer`` runs them.
 
+    With ``trainer.accumulate_grad_batches = k``, the step profiled is the last micro-batch of a cycle, the one that
+    holds the most (:func:`~lightning_sac.profiling.step.training_step`). A module with
+    ``automatic_optimization = False`` runs its own ``training_step`` whole, with the optimizers of its
+    ``configure_optimizers``.
+
     Raises:
         ProfilingError: The step cannot be dry-run (see :func:`~lightning_sac.profile_model`).
     """
+    manual = not pl_module.automatic_optimization
 
-    def compute_loss(module: torch.nn.Module, inputs: tuple[Any, ...]) -> torch.Tensor:
+    def compute_loss(module: torch.nn.Module, inputs: tuple[Any, ...]) -> Any:
         # The fake copy logs nothing: its values are fake, and the trainer's logger is the user's.
         module.__dict__["log"] = module.__dict__["log_dict"] = lambda *a, **k: None
-        return training_loss(module.training_step(inputs[0], 0))  # type: ignore[operator]
+        out = module.training_step(inputs[0], 0)  # type: ignore[operator]
+        return out if manual else training_loss(out)  # a manual step backpropagates itself
 
     def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer | None:
         return first_optimizer(module.configure_optimizers())  # type: ignore[operator]
 
+    run = ManualDryRun(trainer, compute_loss) if manual else None
     return profile_step(
         pl_module,
         (batch,),
-        compute_loss,
-        make_optimizer=make_optimizer,
+        None if run else compute_loss,
+        make_optimizer=run.make_optimizers if run else make_optimizer,
         device=settings.spec,
         estimate=settings.estimate,
         share=(trainer,),
         autocast_dtype=_AUTOCAST.get(str(trainer.precision)),
         lightning_order=True,
         replace_existing=settings.replace_existing,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        manual_step=run.run if run else None,
     )

@@ -27,7 +27,9 @@ __all__ = [
     "TIMELINE_CATEGORIES",
     "MeasuredStep",
     "MemoryTimeline",
+    "event_name",
     "measure_training_step",
+    "memory_events",
     "memory_timeline",
     "peak_from_events",
     "unique_bytes",
@@ -103,12 +105,37 @@ def measure_training_step(
     baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         training_step(model, inputs, compute_loss, optimizer)
-    events = [
-        (e.start_ns(), e.nbytes())
+    return peak_from_events(memory_events(prof, "cpu"), baseline)
+
+
+def event_name(event: Any) -> str | None:
+    """The name of a profiler event, or ``None`` when torch cannot decode it.
+
+    With ``with_stack=True``, the Python-function events of code that ``torch.compile`` compiled while the
+    profiler ran can carry names that are not UTF-8 (``UnicodeDecodeError`` from ``KinetoEvent.name``): dynamo
+    frees the code objects those names were read from. Such an event is a Python call, never an allocation.
+    """
+    try:
+        name: str = event.name()
+    except UnicodeDecodeError:
+        return None
+    return name
+
+
+def memory_events(prof: profile, device: str = "cpu") -> list[tuple[int, int]]:
+    """The allocator events ``(start ns, +/- bytes)`` of ``device`` in a finished profile.
+
+    Python-function events are skipped before their names are read (see :func:`event_name`).
+    """
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None, "the profile is not finished"
+    kind = device.split(":")[0]
+    return [
+        (e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
         for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        if not e.is_python_function()
+        and event_name(e) == "[memory]"
+        and str(e.device_type()).split(".")[-1].lower() == kind
     ]
-    return peak_from_events(events, baseline)
 
 
 #: Categories of PyTorch's memory profiler, in its stacking order, with ``unknown`` for uncategorized bytes.
@@ -155,13 +182,8 @@ def memory_timeline(prof: profile, device: str = "cpu", baseline_bytes: int = 0)
 
     times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
     t0 = times[0] if times else 0
-    assert prof.profiler is not None and prof.profiler.kineto_results is not None, "the profile is not finished"
     by_category = {c: [int(row[i + 1]) for row in sizes] for i, c in enumerate(TIMELINE_CATEGORIES)}
-    events = [
-        (e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and str(e.device_type()).split(".")[-1].lower() == device.split(":")[0]
-    ]
+    events = memory_events(prof, device)
     return MemoryTimeline(
         times_us=[float(t - t0) for t in times],
         by_category=by_category,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,8 @@ class Plan:
         solver_status: HiGHS's model status (``"Optimal"``, or ``"Not needed"`` when the budget is slack).
         solver_gap: Relative MIP gap of the solution.
         solver_seconds: Wall time of the solve, including trade-off fits and op policies.
-        fingerprint: Hash of the model structure and input shapes the plan was made for.
+        fingerprint: Hash of the model structure and input shapes the plan was made for, and of the training
+            loop where it is not a plain step (gradient accumulation, manual optimization).
         replaces_checkpointing: Modules whose Hugging Face ``gradient_checkpointing`` flag the plan turns off
             when applied: it replaces the model's own checkpointing (profiled with ``replace_existing=True``).
         kv_cache_off: The profile ran the model's modules without KV caches in training (see
@@ -155,11 +156,14 @@ def fingerprint_of(
     model: nn.Module,
     example_inputs: tuple[Any, ...] | Mapping[str, Any],
     example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    loop: Sequence[str] = (),
 ) -> str:
     """What :func:`profile_fingerprint` gives for ``model`` profiled on these inputs, without profiling.
 
     The inputs take the forms :func:`~lightning_sac.profile_model` takes: a tuple of positional inputs, a dict of
-    keyword inputs, or both.
+    keyword inputs, or both. ``loop`` is the training loop's part of the profile's signature
+    (:func:`~lightning_sac.profiling.step.loop_signature`; empty for a plain step).
     """
     structure = [(fqn, type(m).__name__) for fqn, m in model.named_modules()]
-    return _fingerprint(structure, input_signature(model_inputs(example_inputs, example_kwargs)))
+    return _fingerprint(structure, input_signature(model_inputs(example_inputs, example_kwargs)) + list(loop))

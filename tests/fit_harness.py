@@ -10,6 +10,7 @@ AutoSAC must run with ``measure=False`` beside it (two profilers cannot run at o
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class BatchPeaks(pl.Callback):
     def __init__(self, out_dir: str | os.PathLike[str] | None = None) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.peaks: list[int] = []
+        self.starts: list[int] = []  # bytes alive when each batch began
         self._prof: Any = None
         self._range: Any = None
         self._baseline = 0
@@ -45,6 +47,9 @@ class BatchPeaks(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # The CPU allocator reports to a profiler the frees of blocks an earlier profiler session saw allocated:
+        # collect an earlier fit's garbage now, or its frees would count against this fit.
+        gc.collect()
         self._baseline = unique_bytes([*pl_module.parameters(), *pl_module.buffers()])
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
@@ -65,10 +70,11 @@ class BatchPeaks(pl.Callback):
         for e in events:
             if e.name().startswith("fit_harness_batch_"):
                 windows[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-        self.peaks = []
+        self.peaks, self.starts = [], []
         for i in sorted(windows):
             lo, hi = windows[i]
             alive = self._baseline + sum(d for t, d in memory if t < lo)
+            self.starts.append(alive)
             peak = alive
             for t, d in memory:
                 if lo <= t <= hi:

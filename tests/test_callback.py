@@ -181,8 +181,8 @@ def test_bf16_mixed_plans_with_bf16_activations(tmp_path, monkeypatch):
 class ItemInStep(GPTModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        if loss.item() > 1e9:  # data-dependent: fake tensors have no values
-            raise RuntimeError("unreachable")
+        if loss.item() < 1.5:  # a decision on the loss's value steers what is computed: the dry run cannot take it
+            loss = loss * 2
         return loss
 
 

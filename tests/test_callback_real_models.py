@@ -53,9 +53,9 @@ class HFModule(pl.LightningModule):
         return DataLoader(Batches(), batch_size=None)
 
 
-def fit(module: HFModule, tmp_path: Path, callbacks: list[Any]) -> HFModule:
+def fit(module: HFModule, tmp_path: Path, callbacks: list[Any], **trainer_kwargs: Any) -> HFModule:
     pl.seed_everything(0)
-    trainer(callbacks, tmp_path).fit(module)
+    trainer(callbacks, tmp_path, **trainer_kwargs).fit(module)
     return module
 
 

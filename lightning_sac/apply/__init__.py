@@ -10,6 +10,7 @@ from torch import nn
 from lightning_sac.apply.planned import Notices
 from lightning_sac.apply.sac import SelectiveCheckpointForward
 from lightning_sac.caches import CacheCall, CacheSwitch
+from lightning_sac.compiled import traced_module
 from lightning_sac.plan import Plan
 from lightning_sac.recompute import check_backend
 
@@ -75,6 +76,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
     training, as profiled and as Hugging Face's own checkpointing does (:mod:`lightning_sac.caches`), and says so
     once; ``remove()`` ends that too.
 
+    A compiled model (``torch.compile(model)``, ``model.compile()``, or a compiled LightningModule) can have the
+    plan applied before or after compiling: each wrapper then runs inside the compiled graph, as a checkpoint
+    whose per-op decisions AOT autograd applies to the graph (:mod:`lightning_sac.apply.traced`); a planned
+    module that is an ``OptimizedModule`` has the plan applied to its ``_orig_mod``. Both backends compile the
+    same way: the partitioner recomputes only what backward needs, as the graph backend does in eager mode.
+
     Apply the plan to the bare model *before* wrapping it with ``DistributedDataParallel`` or
     sharding it with FSDP2's ``fully_shard`` (the order torchtitan uses): the wrappers then run inside DDP's
     and FSDP's hooks, and FSDP re-gathers parameters for the recompute in backward as it does for backward.
@@ -99,8 +106,10 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
             f"The plan checkpoints modules this model does not have: {missing}. Was it made for another model "
             f"(plan fingerprint {plan.fingerprint})? Re-plan for this model."
         )
+    # A compiled module's plan goes on the module compile traces, so that its checkpoint is in the graph.
+    planned = {fqn: traced_module(modules[fqn]) for fqn in plan.decisions}
     for fqn in plan.decisions:
-        if "forward" in modules[fqn].__dict__:
+        if "forward" in planned[fqn].__dict__:
             raise RuntimeError(
                 f"Module {fqn!r} already has its forward replaced (is a plan applied already?). "
                 "Call handle.remove() on the previous plan first."
@@ -114,7 +123,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
     if plan.kv_cache_off:
         handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
     for fqn, decision in plan.decisions.items():
-        module = modules[fqn]
+        module = planned[fqn]
         if backend == "sac":
             wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
         else:

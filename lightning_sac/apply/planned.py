@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from lightning_sac.apply.traced import TraceReport, traced_contexts
 from lightning_sac.caches import layer_indices, without_kv_caches
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors, op_name
@@ -107,6 +108,11 @@ class PlannedForward:
         self.calls = 0
         self.mismatched_calls = 0
         self.last_mismatch: str | None = None  # what differed in the last call that ran other ops
+        # Under torch.compile: how often the region was traced, and what its last trace tagged.
+        self.traces = 0
+        self.last_trace: TraceReport | None = None
+        # Made here, outside any compiled code, so that dynamo passes it to AOT autograd (see apply.traced).
+        self.traced_contexts = traced_contexts(self)
 
     def decide(
         self,
@@ -167,35 +173,74 @@ class PlannedForward:
         """Run the forward under the backend, asking :meth:`decide` about each op."""
         raise NotImplementedError
 
+    def begin(self) -> CallState:
+        """Start an eager call: counted, with a fresh :class:`CallState`."""
+        self.calls += 1
+        return CallState()
+
+    def finish(self, state: CallState) -> None:
+        """End an eager call: record, and warn once, when it ran other ops than the profiled ones."""
+        if state.mismatch is None and state.index != len(self.names):
+            state.mismatch = f"it ran {state.index} ops, the profile has {len(self.names)}"
+        if state.mismatch is None:
+            return
+        self.mismatched_calls += 1
+        self.last_mismatch = state.mismatch
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({state.mismatch}), "
+                "so its planned policy did not hold for that call: from the first difference on, its ops were "
+                "recomputed (those that must not run twice were saved), which keeps no more memory than "
+                "without a plan but recomputes more. This happens when the code path differs from the example "
+                "the plan was made for. (Warned once.)",
+                stacklevel=3,
+            )
+
+    def finish_trace(self, report: TraceReport) -> None:
+        """End a trace under ``torch.compile``: record it, and say once when its ops differ from the plan's."""
+        self.traces += 1
+        self.last_trace = report
+        if not report.matches:
+            self.notices.warn(
+                f"compile:{self.fqn}",
+                f"lightning-sac: under torch.compile, module {self.fqn!r} traces other ops than the eager step the "
+                f"plan was made for (compile decomposes or fuses some): {report.describe(len(self.names))}. Ops are "
+                "matched to the plan by op and occurrence: matched ones are saved or recomputed as planned, the "
+                "others are recomputed, which keeps no more than without a plan but may recompute more than "
+                "planned. (Warned once.)",
+            )
+
+    def run_traced(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward as ``torch.compile`` traces it: a checkpoint whose ``context_fn`` dynamo can pass on."""
+        call = without_kv_caches(self.module, args, kwargs, self.layers)
+        if call.holds_tokens:
+            _said_tokens(self, call.holds_tokens)
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *call.args, use_reentrant=False, context_fn=self.traced_contexts, **call.kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward with the plan; plainly without grad (evaluation)."""
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return self.run_traced(*args, **kwargs)
         call = without_kv_caches(self.module, args, kwargs, self.layers)
         if call.holds_tokens:
-            self.notices.warn(
-                f"tokens:{self.fqn}",
-                f"lightning-sac: module {self.fqn!r} was called with a KV cache that already holds tokens "
-                f"({', '.join(call.holds_tokens)}); recomputing it would update that cache twice, so such calls run "
-                "without the plan (its memory is not saved). (Warned once.)",
-            )
+            _said_tokens(self, call.holds_tokens)
             return self.inner(*args, **kwargs)
-        self.calls += 1
-        state = CallState()
+        state = self.begin()
         out = self.run(state, *call.args, **call.kwargs)
-        if state.mismatch is None and state.index != len(self.names):
-            state.mismatch = f"it ran {state.index} ops, the profile has {len(self.names)}"
-        if state.mismatch is not None:
-            self.mismatched_calls += 1
-            self.last_mismatch = state.mismatch
-            if not self.warned:
-                self.warned = True
-                warnings.warn(
-                    f"lightning-sac: module {self.fqn!r} ran other ops than the profiled ones ({state.mismatch}), "
-                    "so its planned policy did not hold for that call: from the first difference on, its ops were "
-                    "recomputed (those that must not run twice were saved), which keeps no more memory than "
-                    "without a plan but recomputes more. This happens when the code path differs from the example "
-                    "the plan was made for. (Warned once.)",
-                    stacklevel=2,
-                )
+        self.finish(state)
         return out
+
+
+@torch.compiler.disable
+def _said_tokens(forward: PlannedForward, holds_tokens: list[str]) -> None:
+    # Not traced under compile (warnings are not): a rare path, where a graph break costs nothing that matters.
+    forward.notices.warn(
+        f"tokens:{forward.fqn}",
+        f"lightning-sac: module {forward.fqn!r} was called with a KV cache that already holds tokens "
+        f"({', '.join(holds_tokens)}); recomputing it would update that cache twice, so such calls run "
+        "without the plan (its memory is not saved). (Warned once.)",
+    )

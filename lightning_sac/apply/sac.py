@@ -3,6 +3,7 @@
 The module's ``forward`` is replaced by an instance attribute that calls the class's forward inside a
 non-reentrant checkpoint; deleting the attribute restores the module exactly. Nothing is re-registered, so
 parameters, module names and ``state_dict`` keys never change and checkpoints load with or without a plan.
+Under ``torch.compile`` the wrapper takes :meth:`PlannedForward.run_traced` instead (:mod:`lightning_sac.apply.traced`).
 """
 
 from __future__ import annotations

@@ -261,6 +261,12 @@ class ModelProfile:
             caches a step can hold more (a fused QKV projection's views keep its buffer, where the caches' copies
             free it) or less; a plan is only made, and caches only switched off, when this peak exceeds the
             budget.
+        placeholders: Where the dry run used a stand-in for a value it does not have (see
+            :mod:`lightning_sac.profiling.placeholders`), one dict per place: ``kind`` (``"scalar"``: a scalar read
+            such as ``.item()`` of a weight-derived value; ``"metric"``: a torchmetrics metric call that did not
+            run), ``op``, ``module`` (fqn; ``""`` is the root), ``source`` (``file:line in function: code``) and
+            ``value`` (the stand-in, as text). A stand-in that decides what the step computes (an ``if`` on it)
+            makes the profile describe another step than training runs.
     """
 
     device: DeviceSpec
@@ -286,6 +292,7 @@ class ModelProfile:
     kv_cache_off: list[str] = field(default_factory=list)
     kv_cache_with_tokens: list[str] = field(default_factory=list)
     kv_cache_peak: MemorySnapshot | None = None
+    placeholders: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def plain_peak_bytes(self) -> int:

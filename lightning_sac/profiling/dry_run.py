@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_sac.compiled import profiles_uncompiled
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.profiling.calibrate import calibrate_modules
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.overhead import measure_backend_overheads
-from lightning_sac.profiling.recorded_step import StepSpec, optimizer_state, record_step
+from lightning_sac.profiling.placeholders import record_checked
+from lightning_sac.profiling.recorded_step import MakeOptimizers, StepSpec, optimizer_state, record_step
 from lightning_sac.profiling.runtime import make_estimator
 from lightning_sac.profiling.step import (
     ComputeLoss,
     LossFn,
+    ManualStep,
     OptimizerFactory,
     input_signature,
+    loop_signature,
     model_inputs,
     model_loss,
 )
@@ -100,18 +104,21 @@ def profile_model(
     )
 
 
+@profiles_uncompiled  # a compiled model is profiled as written (lightning_sac.compiled)
 def profile_step(
     model: nn.Module,
     example_inputs: Any,
-    compute_loss: ComputeLoss,
+    compute_loss: ComputeLoss | None,
     *,
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None] | None = None,
+    make_optimizer: MakeOptimizers | None = None,
     device: str | DeviceSpec = "auto",
     estimate: str = "roofline",
     share: tuple[object, ...] = (),
     autocast_dtype: torch.dtype | None = None,
     lightning_order: bool = False,
     replace_existing: bool = False,
+    accumulate_grad_batches: int = 1,
+    manual_step: ManualStep | None = None,
 ) -> ModelProfile:
     """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
 
@@ -122,8 +129,10 @@ def profile_step(
         model: The model.
         example_inputs: What ``compute_loss`` takes as inputs (copies of its tensors are passed: see
             :func:`~lightning_sac.profiling.real_values.dry_run_inputs`).
-        compute_loss: Runs the forward on the (fake) model and returns the scalar loss.
-        make_optimizer: Builds the optimizer from the (fake) model, or returns ``None``.
+        compute_loss: Runs the forward on the (fake) model and returns the scalar loss; ``None`` with
+            ``manual_step``.
+        make_optimizer: Builds the optimizer (or, for ``manual_step``, the optimizers) from the (fake) model, or
+            returns ``None``.
         device: Target device.
         estimate: ``"roofline"`` or ``"benchmark"``.
         share: Objects reachable from ``model`` that must not be copied.
@@ -131,12 +140,33 @@ def profile_step(
         lightning_order: Lightning's automatic optimization sets gradients to ``None`` just before backward, so
             the previous step's gradients are alive through the forward: profile that order.
         replace_existing: Profile with the model's Hugging Face ``gradient_checkpointing`` flags off.
+        accumulate_grad_batches: Lightning's gradient accumulation (with ``lightning_order``): the profile is of
+            the last micro-batch of a cycle, which holds the most at every moment (see
+            :func:`~lightning_sac.profiling.step.training_step`).
+        manual_step: A step that runs its own backward passes and optimizer steps (Lightning's manual
+            optimization), instead of ``compute_loss``. It is run once whole before the recorded run, so that the
+            recorded one begins with the gradients and optimizer state the fit's steps begin with.
+
+    The profile's :attr:`~ModelProfile.input_signature` ends with the loop's settings where they differ from a
+    plain step (:func:`~lightning_sac.profiling.step.loop_signature`): a plan made for it is not reused for another.
     """
     spec = get_device_spec(device)
     estimator = make_estimator(estimate, spec)
-    step = StepSpec(spec, estimator, compute_loss, make_optimizer, share, autocast_dtype, lightning_order)
-    run = record_step(model, example_inputs, step, replace_existing=replace_existing)
-    recorder, fmodel, optimizer = run.recorder, run.model, run.optimizer
+    step = StepSpec(
+        spec,
+        estimator,
+        compute_loss,
+        make_optimizer,
+        share,
+        autocast_dtype,
+        lightning_order,
+        accumulate_grad_batches=accumulate_grad_batches,
+        manual=manual_step,
+    )
+    # Run again when scalar reads got stand-ins, to check they decided nothing (profiling/placeholders.py).
+    run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
+    recorder, fmodel, optimizers = run.recorder, run.model, run.optimizers
+    manual = manual_step is not None
     modules = recorder.modules()
     named = dict(fmodel.named_modules())
     for fqn, prof in modules.items():
@@ -144,7 +174,7 @@ def profile_step(
         prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
         prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
         prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
-        prof.optimizer_state_bytes = _unique_storage_bytes(optimizer_state(optimizer, mod_params), spec)
+        prof.optimizer_state_bytes = _unique_storage_bytes(optimizer_state(optimizers, mod_params), spec)
 
     memory = recorder.memory
     profile = ModelProfile(
@@ -161,7 +191,7 @@ def profile_step(
         forward_ms=recorder.phase_ms["forward"],
         backward_ms=recorder.phase_ms["backward"],
         optimizer_ms=recorder.phase_ms["optimizer"],
-        input_signature=input_signature(example_inputs),
+        input_signature=input_signature(example_inputs) + loop_signature(accumulate_grad_batches, manual),
         timeline=recorder.timeline,
         checkpointed_modules=run.watch.under,
         checkpoint_callers=run.watch.callers,
@@ -169,6 +199,7 @@ def profile_step(
         replaced_checkpointing=run.replaced,
         kv_cache_off=run.caches.switched_off,
         kv_cache_with_tokens=run.caches.holds_tokens,
+        placeholders=run.placeholders,
     )
     if run.caches.switched_off:
         # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or

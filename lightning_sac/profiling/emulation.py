@@ -2,24 +2,28 @@
 
 Fake CUDA tensors cannot run backward on a machine without a GPU, so a CUDA target is profiled on fake CPU
 tensors. What differs by device is then put back: the allocator's rounding (in :mod:`memory`), throughput
-and bandwidth (in :mod:`runtime`), and here the kernels whose saved tensors differ by device.
+and bandwidth (in :mod:`runtime`), and here the kernels whose saved tensors differ by device and, under mixed
+precision, CUDA's autocast policy (:mod:`lightning_sac.profiling.cuda_autocast`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.overrides import TorchFunctionMode
+from torch.library import Library
 
 from lightning_sac.profiling.cpu_kernels import rnn_layer_memory
+from lightning_sac.profiling.cpu_promotion import promotion_bytes
+from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy
 
-__all__ = ["CudaAttentionEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
+__all__ = ["CudaAttentionEmulation", "CudaEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
 
 aten = torch.ops.aten
 
@@ -58,6 +62,7 @@ def _cuda_sdpa(
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
@@ -65,7 +70,8 @@ def _cuda_sdpa(
 
     Flash attention (half precision, no mask) and memory-efficient attention (otherwise) save q, k, v, the
     output and the log-sum-exp: O(T) per head. CPU attention with dropout takes the math path, which saves
-    the T x T attention matrix; profiling a GPU target on CPU without this would overstate its memory.
+    the T x T attention matrix; profiling a GPU target on CPU without this would overstate its memory. Under
+    autocast, its kernel has cast q, k, v and the mask already, as CUDA's does before it picks a kernel.
     """
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         groups = query.shape[-3] // key.shape[-3]
@@ -81,51 +87,85 @@ def _cuda_sdpa(
     )[0]
 
 
-def _cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    """Dropout as CUDA runs it: the fused kernel, which saves a one-byte mask per element.
+def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten.dropout`` as CUDA runs it: the fused kernel, which saves a one-byte mask per element.
 
     On CPU, ``aten.dropout`` decomposes into ``bernoulli_`` on a tensor of the input's dtype, which saves a
-    four-byte mask per element for fp32; CUDA takes the fused ``native_dropout`` whenever ``0 < p < 1``. The
-    in-place variant decomposes on both devices, so it is left alone.
+    four-byte mask per element for fp32; CUDA takes the fused ``native_dropout`` whenever ``0 < p < 1``
+    (``is_fused_kernel_acceptable``), and otherwise does what the CPU does. The in-place variant decomposes on
+    both devices, so it is left alone.
     """
-    if inplace or not training or not 0.0 < p < 1.0 or input.numel() == 0:
-        return F.dropout(input, p, training, inplace)  # inside the mode's handler: the plain function
-    return aten.native_dropout(input, p, True)[0]
+    if train and 0.0 < p < 1.0 and input.numel() > 0:
+        return aten.native_dropout(input, p, True)[0]
+    if not train or p == 0.0 or input.numel() == 0:
+        return input
+    return input * input.new_zeros(())
 
 
-class CudaAttentionEmulation(TorchFunctionMode):
-    """Route attention and dropout to the CUDA kernels while profiling fake CPU tensors."""
+class CudaAttentionEmulation:
+    """Route attention and dropout to the CUDA kernels while profiling fake CPU tensors.
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        """Intercept attention; pass everything else through."""
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _cuda_sdpa(*args, **kwargs)
-        if func is F.dropout:
-            return _cuda_dropout(*args, **kwargs)
-        return func(*args, **kwargs)
+    The two ops' composite kernels are replaced at the dispatcher while the context is active (the CPU's come back
+    on exit): unlike a torch function mode, which is off in a checkpoint's recompute during backward, the
+    dispatcher also serves the recompute of a model that checkpoints itself, so that it saves what its forward
+    saved.
+    """
+
+    def __init__(self) -> None:
+        self._lib: Library | None = None
+
+    def __enter__(self) -> CudaAttentionEmulation:
+        lib = Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the kernels are overridden: until exit
+            lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+            lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
+        self._lib = lib
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+
+
+class CudaEmulation(contextlib.ExitStack):
+    """A CUDA target on fake CPU tensors: CUDA's attention and dropout kernels, and CUDA's autocast policy.
+
+    See :class:`CudaAttentionEmulation` and :class:`~lightning_sac.profiling.cuda_autocast.CudaAutocastPolicy`.
+    """
+
+    def __enter__(self) -> CudaEmulation:
+        super().__enter__()
+        try:
+            self.enter_context(CudaAutocastPolicy())
+            self.enter_context(CudaAttentionEmulation())
+        except BaseException:
+            self.close()  # give the CPU's kernels back: a failed enter gets no exit
+            raise
+        return self
 
 
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any = None) -> int:
     """Bytes a CPU kernel allocates and frees inside one call, invisible to fake tensors.
 
     oneDNN's convolution backward holds two input-sized buffers at once (the input copied into its own layout
     and the gradient of the input before it is reordered back); torch.profiler's allocator events of a real
     step show them, and on small conv nets they are the step's peak. oneDNN's LSTM layer forward and backward
-    hold scratch buffers measured on the kernel (:mod:`lightning_sac.profiling.cpu_kernels`).
+    hold scratch buffers measured on the kernel (:mod:`lightning_sac.profiling.cpu_kernels`). A pointwise op
+    whose operands' dtypes differ (an fp32 residual plus a bf16 branch under autocast) converts them to the
+    common dtype first (:mod:`lightning_sac.profiling.cpu_promotion`).
     """
     if func is aten.convolution_backward.default:
         return 2 * _nbytes(args[1])
     rnn = rnn_layer_memory(func, args, kwargs)
     if rnn is not None:
         return rnn.forward_scratch if func is aten.mkldnn_rnn_layer.default else rnn.backward_scratch
-    return 0
+    return promotion_bytes(func, args, kwargs, out)
 
 
 def cpu_output_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:

@@ -13,6 +13,9 @@ fake (the user's random stream must not move).
 
 A real tensor that an op with fake inputs writes to no longer holds known values; it is treated as fake from
 then on (a data-dependent decision on it raises, as on any fake tensor).
+
+A scalar read of a fake value (``loss.item()`` for a log) cannot be answered; given
+:class:`~lightning_sac.profiling.placeholders.Placeholders`, it gets a recorded stand-in instead of raising.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors
+from lightning_sac.profiling.placeholders import Placeholders
 
 __all__ = ["DATA_DEPENDENT", "REAL_LIMIT_BYTES", "RealValuesMode", "dry_run_inputs"]
 
@@ -81,6 +85,18 @@ def dry_run_inputs(x: Any, mode: FakeTensorMode, device: str, limit_bytes: int =
     return x
 
 
+def _drop_tracebacks(err: BaseException | None) -> None:
+    """Free the frames of a handled exception (and of those it was raised from) now.
+
+    Their locals hold the fake tensors of the failed op, and a reference cycle through a frame (an ``except ... as
+    e`` that keeps ``e``) would keep them alive until the garbage collector runs: the recorder, which sees a
+    storage freed when its last reference goes, would count them as alive until the end of the step.
+    """
+    while err is not None:
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
+
+
 class RealValuesMode(TorchDispatchMode):
     """Runs each op for real when every tensor it reads is real, on fake tensors otherwise (module docstring).
 
@@ -88,14 +104,16 @@ class RealValuesMode(TorchDispatchMode):
 
     Args:
         limit_bytes: Largest output produced for real.
+        placeholders: Gives a scalar read of a fake value a recorded stand-in; without it, such a read raises.
 
     Attributes:
         enabled: Whether ops may run for real (all run on fake tensors otherwise).
     """
 
-    def __init__(self, limit_bytes: int = REAL_LIMIT_BYTES) -> None:
+    def __init__(self, limit_bytes: int = REAL_LIMIT_BYTES, placeholders: Placeholders | None = None) -> None:
         super().__init__()
         self.limit_bytes = limit_bytes
+        self.placeholders = placeholders
         # Off for the optimizer's step: it takes no decision on the batch, and real step counters mixed into
         # its fake updates would be converted to fake tensors anew at every op.
         self.enabled = True
@@ -124,7 +142,7 @@ class RealValuesMode(TorchDispatchMode):
         """Run ``func`` for real or on fake tensors, as the module docstring says."""
         kwargs = kwargs or {}
         if not self.enabled:
-            return func(*args, **kwargs)
+            return self._fake(func, args, kwargs)
         tensors = flat_tensors(args) + flat_tensors(list(kwargs.values()))
         real = [not isinstance(t, FakeTensor) and self.is_real(t) for t in tensors]
         if not all(real) or is_random(func, args, kwargs):
@@ -132,10 +150,7 @@ class RealValuesMode(TorchDispatchMode):
                 for t in mutated_tensors(func, args, kwargs):
                     if not isinstance(t, FakeTensor):
                         self._forget(t)
-            try:
-                return func(*args, **kwargs)
-            except _DYNAMIC_SHAPE as err:
-                return self._boolean_indexed(func, args, kwargs, err)
+            return self._fake(func, args, kwargs)
         if mutated_tensors(func, args, kwargs):
             # In place on real tensors: its output aliases its input, so its size is known; run it for real.
             return self._real(func, args, kwargs)
@@ -145,14 +160,24 @@ class RealValuesMode(TorchDispatchMode):
             return self._real(func, args, kwargs)
         return out if _nbytes(out) > self.limit_bytes else self._real(func, args, kwargs)
 
+    def _fake(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` on fake tensors; a boolean index or a scalar read it cannot answer is handled here."""
+        try:
+            return func(*args, **kwargs)
+        except _DYNAMIC_SHAPE as err:
+            return self._boolean_indexed(func, args, kwargs, err)
+        except DataDependentOutputException as err:
+            if self.placeholders is None or not self.placeholders.handles(func):
+                raise
+            _drop_tracebacks(err)
+            return self.placeholders.scalar(func, args[0])
+
     @staticmethod
     def _real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with unset_fake_temporarily():
             return func(*args, **kwargs)
 
-    def _boolean_indexed(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException
-    ) -> Any:
+    def _boolean_indexed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> Any:
         """``x[mask]`` and ``x[mask] = v`` on fake ``x`` with a real boolean ``mask``: index with its positions."""
         position = _BOOLEAN_INDEXED.get(func)
         if position is None or len(args) <= position:
@@ -168,4 +193,3 @@ class RealValuesMode(TorchDispatchMode):
             else:
                 expanded.append(index)
         return func(*args[:position], expanded, *args[position + 1 :], **kwargs)
-

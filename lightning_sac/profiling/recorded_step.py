@@ -7,8 +7,9 @@ KV caches on gives the peak of the step as the model runs without a plan.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,27 +20,46 @@ from torch.nn.parameter import UninitializedParameter
 from lightning_sac.caches import CacheSwitch
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.compat import real_step_answers
-from lightning_sac.profiling.emulation import CudaAttentionEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
+from lightning_sac.profiling.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
+from lightning_sac.profiling.placeholders import Placeholders
 from lightning_sac.profiling.real_values import RealValuesMode, dry_run_inputs
 from lightning_sac.profiling.recorder import StepRecorder
 from lightning_sac.profiling.runtime import RuntimeEstimator
-from lightning_sac.profiling.step import ComputeLoss, tensors_of, training_step
+from lightning_sac.profiling.step import ComputeLoss, ManualStep, manual_training_step, tensors_of, training_step
 
 __all__ = ["RecordedStep", "StepSpec", "optimizer_state", "record_step"]
 
 
+#: Builds the step's optimizer, or its optimizers (a step that optimizes itself may have several), or ``None``.
+MakeOptimizers = Callable[[nn.Module], "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None"]
+
+
 @dataclass(frozen=True)
 class StepSpec:
-    """How to run the step: the target, the estimator, the forward and the optimizer, and Lightning's order."""
+    """How to run the step: the target, the estimator, the forward and the optimizer, and Lightning's order.
+
+    Attributes:
+        compute_loss: The forward of a step whose backward and optimizer step the dry run runs; ``None`` with
+            ``manual``.
+        accumulate_grad_batches: Lightning's gradient accumulation (see
+            :func:`~lightning_sac.profiling.step.training_step`).
+        manual: A step that runs its own backward passes and optimizer steps (Lightning's manual optimization).
+        autocast_cache: Whether autocast keeps its casts of weights for the whole autocast region. Lightning's
+            mixed precision turns the cache off (``cache_enabled=False``): every use of a weight casts it again, and
+            a cast autograd does not save is freed at once (:mod:`lightning_sac.profiling.cuda_autocast`).
+    """
 
     device: DeviceSpec
     estimator: RuntimeEstimator
-    compute_loss: ComputeLoss
-    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer | None] | None = None
+    compute_loss: ComputeLoss | None
+    make_optimizer: MakeOptimizers | None = None
     share: tuple[object, ...] = ()
     autocast_dtype: torch.dtype | None = None
     lightning_order: bool = False
+    accumulate_grad_batches: int = 1
+    manual: ManualStep | None = None
+    autocast_cache: bool = False
 
 
 @dataclass
@@ -58,44 +78,72 @@ class RecordedStep:
 
     recorder: StepRecorder
     model: nn.Module
-    optimizer: torch.optim.Optimizer | None
     watch: CheckpointWatch
     caches: CacheSwitch
     flags: list[str]
     replaced: list[str]
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    placeholders: list[dict[str, Any]] = field(default_factory=list)  # where stand-ins were used (placeholders.py)
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The optimizer's state tensors of ``params``."""
-    if optimizer is None:
+def optimizer_state(
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, params: list[nn.Parameter]
+) -> list[torch.Tensor]:
+    """The state tensors of ``params`` in the optimizer (or in each of the optimizers)."""
+    opts = _as_list(optimizers)
+    return [v for o in opts for p in params for v in o.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+def _as_list(
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
         return []
-    return [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
 
-def _create_optimizer_state(
+def _warm_up(
     model: nn.Module,
     inputs: Any,
-    compute_loss: ComputeLoss,
-    optimizer: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    keep_grads: bool = False,
-    on_phase: Callable[[str], None] = lambda phase: None,
+    step: StepSpec,
+    forward: ComputeLoss | None,
+    optimizers: list[torch.optim.Optimizer],
+    on_phase: Callable[[str], None],
 ) -> None:
-    """Step the optimizer once so that its state exists when the recorded step begins.
+    """Bring the fake copy to the state a step of a running fit begins in: optimizer state, and gradients.
 
     Optimizers create their state from the gradients' shapes at the first step, so zero gradients do: the
     warm-up skips forward and backward, a third of the dry run's time. Lazy modules only get their parameter
-    shapes from a forward, so for them the warm-up is a whole training step.
+    shapes from a forward, so for them the warm-up is a whole training step. A step that optimizes itself leaves
+    the gradients as its own code leaves them (set to ``None`` after its optimizer steps, or alive until its next
+    ``zero_grad``), so it runs once whole before the recorded one: the recorded step begins as the fit's do.
     """
-    if any(isinstance(p, UninitializedParameter) for p in params):
-        training_step(model, inputs, compute_loss, optimizer, on_phase)
+    params = list(model.parameters())
+    lazy = any(isinstance(p, UninitializedParameter) for p in params)
+    if step.manual is not None:
+        if not lazy:
+            _zero_grad_steps(optimizers, params, keep_grads=False)  # state even if step 0 does not step
+        manual_training_step(model, inputs, step.manual, optimizers, on_phase)
         return
+    if not optimizers:
+        return
+    assert forward is not None
+    if lazy:
+        training_step(model, inputs, forward, optimizers[0], on_phase, zero_grad_before_backward=step.lightning_order)
+        return
+    # Lightning sets gradients to None just before backward: the previous step's are alive when a step begins.
+    _zero_grad_steps(optimizers, params, keep_grads=step.lightning_order)
+
+
+def _zero_grad_steps(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], keep_grads: bool) -> None:
+    """Step each optimizer once on zero gradients (its state exists from then on)."""
     for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    optimizer.step()
-    if not keep_grads:
-        optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        optimizer.step()
+        if not keep_grads:
+            optimizer.zero_grad(set_to_none=True)
 
 
 def record_step(
@@ -113,14 +161,17 @@ def record_step(
     """
     spec = step.device
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
-    emulation = CudaAttentionEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
-    forward = step.compute_loss
+    emulation = CudaEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
+    forward, manual = step.compute_loss, step.manual
+    if (forward is None) == (manual is None):
+        raise ValueError("A StepSpec takes compute_loss or manual, exactly one of them.")
     if step.autocast_dtype is not None:
-        dtype = step.autocast_dtype
-
-        def forward(m: nn.Module, x: Any) -> torch.Tensor:
-            with torch.autocast(device_type=run_on, dtype=dtype):
-                return step.compute_loss(m, x)
+        # Lightning's precision plugin runs the whole training_step under autocast: a manual step's backward
+        # passes and optimizer steps too.
+        autocast = torch.autocast(device_type=run_on, dtype=step.autocast_dtype, cache_enabled=step.autocast_cache)
+        forward = None if forward is None else autocast(forward)
+        manual = None if manual is None else autocast(manual)
+        step = dataclasses.replace(step, compute_loss=forward, manual=manual)
 
     # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
     # and counted as memory that existed before the step ("other"), as they would on the device.
@@ -132,18 +183,17 @@ def record_step(
     replaced = flags if replace_existing else []
     watch, caches = CheckpointWatch(fmodel), CacheSwitch(fmodel)
     switch: Any = contextlib.nullcontext() if kv_caches else caches
-    real_values = RealValuesMode()
+    placeholders = Placeholders(fmodel)
+    real_values = RealValuesMode(placeholders=placeholders)
 
     def real_in(phase: str) -> None:
         real_values.enabled = phase in ("forward", "backward")
 
     # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one.
-    with flags_off(fmodel, replaced), real_step_answers(), watch, switch, mode, real_values, emulation:
-        optimizer = step.make_optimizer(fmodel) if step.make_optimizer is not None else None
-        if optimizer is not None:
-            real_in("optimizer")
-            keep = step.lightning_order
-            _create_optimizer_state(fmodel, finputs, forward, optimizer, params, keep_grads=keep, on_phase=real_in)
+    with flags_off(fmodel, replaced), real_step_answers(), watch, switch, placeholders, mode, real_values, emulation:
+        optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
+        real_in("optimizer")
+        _warm_up(fmodel, finputs, step, forward, optimizers, on_phase=real_in)
         cpu = not spec.is_cuda
         recorder = StepRecorder(
             fmodel,
@@ -156,7 +206,7 @@ def record_step(
             recorder.track_existing(params, "parameter")
             recorder.track_existing(list(fmodel.buffers()), "buffer")
             recorder.track_existing([p.grad for p in params if p.grad is not None], "gradient")
-            recorder.track_existing(optimizer_state(optimizer, params), "optimizer_state")
+            recorder.track_existing(optimizer_state(optimizers, params), "optimizer_state")
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
 
@@ -165,9 +215,19 @@ def record_step(
                 recorder.set_phase(phase)
 
             with recorder:
-                training_step(
-                    fmodel, finputs, forward, optimizer, on_phase, zero_grad_before_backward=step.lightning_order
-                )
+                if step.manual is not None:
+                    manual_training_step(fmodel, finputs, step.manual, optimizers, on_phase)
+                else:
+                    assert forward is not None
+                    training_step(
+                        fmodel,
+                        finputs,
+                        forward,
+                        optimizers[0] if optimizers else None,
+                        on_phase,
+                        zero_grad_before_backward=step.lightning_order,
+                        accumulate_grad_batches=step.accumulate_grad_batches,
+                    )
         finally:
             recorder.close()
-    return RecordedStep(recorder, fmodel, optimizer, watch, caches, flags, replaced)
+    return RecordedStep(recorder, fmodel, watch, caches, flags, replaced, optimizers, placeholders.sites)

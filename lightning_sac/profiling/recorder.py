@@ -55,6 +55,7 @@ class _ModuleState:
     bwd_start_ms: float | None = None
     bwd_watch: PeakWatch | None = None
     bwd_done: bool = False
+    bwd_pass: int = 0
     force_store_random: bool = False
     output_keys: set[tuple[int, int]] = field(default_factory=set)
     has_parameters: bool = False
@@ -68,7 +69,8 @@ class StepRecorder(TorchDispatchMode):
         model: The fake copy being profiled; hooks are added to it and removed by :meth:`close`.
         spec: Target device, for allocator rounding.
         estimator: Per-op runtime estimator.
-        workspace: Bytes an op's kernel allocates and frees within the call on the target, if known.
+        workspace: Bytes an op's kernel allocates and frees within the call on the target, if known, from the op,
+            its arguments and what it returned.
         output_bytes: Per output position, the bytes an op's output really has on the target where the fake
             kernel gives another size (``{}`` for most ops).
     """
@@ -79,7 +81,7 @@ class StepRecorder(TorchDispatchMode):
         spec: DeviceSpec,
         estimator: RuntimeEstimator,
         *,
-        workspace: Callable[[Any, tuple[Any, ...], dict[str, Any]], int] | None = None,
+        workspace: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], int] | None = None,
         output_bytes: Callable[[Any, tuple[Any, ...], dict[str, Any]], dict[int, int]] | None = None,
     ) -> None:
         super().__init__()
@@ -98,6 +100,7 @@ class StepRecorder(TorchDispatchMode):
         self.timeline: list[TimelineEvent] = []
         self._interval: PeakWatch | None = None
         self._bwd_open: list[str] = []
+        self._backward_pass = 0  # how many backward passes the step has begun (a manual step can run several)
         self._producer: dict[int, int] = {}
         self._serial: dict[int, int] = {}
         self._next_serial = 0
@@ -126,6 +129,8 @@ class StepRecorder(TorchDispatchMode):
         if self.phase == "backward":
             for fqn in reversed(list(self._bwd_open)):
                 self._end_backward(fqn)
+        if phase == "backward":
+            self._backward_pass += 1
         self.phase = phase
         self._event("phase", phase)
 
@@ -275,8 +280,13 @@ class StepRecorder(TorchDispatchMode):
 
     def _begin_backward(self, fqn: str) -> None:
         st = self._states[fqn]
-        if st.bwd_start_ms is not None or not st.profile.calls:
+        if not st.profile.calls:
             return
+        if st.bwd_start_ms is not None:
+            if st.bwd_done and st.bwd_pass != self._backward_pass:
+                self._begin_again(fqn)
+            return
+        st.bwd_pass = self._backward_pass
         # Several modules can return the same tensor (the root and its LM head); a module's backward has
         # begun once any of its descendants' has, so ancestors begin first.
         if fqn:
@@ -285,6 +295,21 @@ class StepRecorder(TorchDispatchMode):
         st.bwd_start_ms = self.cum_ms
         st.snapshots["pre_backward"] = self.memory.snapshot()
         st.bwd_watch = self.memory.open_watch()
+        self._bwd_open.append(fqn)
+
+    def _begin_again(self, fqn: str) -> None:
+        """A later backward pass runs through the module's graph, which an earlier one kept (retain_graph=True).
+
+        The timeline gets the module's ``bwd_pre`` and ``bwd_post`` again, so that the solver can tell: a checkpoint
+        of it would recompute in each pass and keep its inputs from one to the next, which the memory model of
+        one backward does not describe (:func:`~lightning_sac.solver.candidates.excluded_reason`). Its profile keeps
+        the first backward's figures.
+        """
+        st = self._states[fqn]
+        if fqn:
+            self._begin_backward(fqn.rpartition(".")[0])
+        st.bwd_done, st.bwd_pass = False, self._backward_pass
+        self._event("bwd_pre", fqn)
         self._bwd_open.append(fqn)
 
     def _end_backward(self, fqn: str) -> None:
@@ -297,6 +322,9 @@ class StepRecorder(TorchDispatchMode):
             self._end_backward(child)
         st.bwd_done = True
         self._event("bwd_post", fqn)
+        if "post_backward" in st.snapshots:  # a later pass's end (see _begin_again)
+            self._bwd_open.remove(fqn)
+            return
         st.profile.backward_ms = self.cum_ms - st.bwd_start_ms
         st.snapshots["post_backward"] = self.memory.snapshot()
         assert st.bwd_watch is not None
@@ -310,6 +338,8 @@ class StepRecorder(TorchDispatchMode):
     ) -> Any:
         """Run the op on fake tensors and record what it costs."""
         kwargs = kwargs or {}
+        if self.phase == "forward" and torch._C._current_graph_task_id() != -1:
+            raise self._unannounced_backward(func)
         try:
             out = func(*args, **kwargs)
         except DATA_DEPENDENT as err:
@@ -354,7 +384,7 @@ class StepRecorder(TorchDispatchMode):
                 self._producer[id(st)] = len(self.graph.ops)
             keys.append(self._key(st))
         if self.workspace is not None:
-            self.memory.transient(self.workspace(func, args, kwargs))
+            self.memory.transient(self.workspace(func, args, kwargs, out))
         if self.phase == "forward" and is_sac_ignored(func):
             self.graph.pass_through(inputs, outputs)
         elif self.phase == "forward":
@@ -375,6 +405,32 @@ class StepRecorder(TorchDispatchMode):
             )
             self.graph.append(record, outputs)
         return out
+
+    def _unannounced_backward(self, func: Any) -> ProfilingError:
+        """The error for a backward pass that runs while the step is in its forward phase.
+
+        The dry run knows a backward pass from the loop (automatic optimization) or from ``manual_backward``; one the
+        step runs itself would be recorded as forward ops, with its gradients as activations.
+        """
+        where = user_source_line()
+        if torch.is_grad_enabled():  # create_graph=True: the backward's results are part of the forward's graph
+            what = (
+                "a backward pass with create_graph=True inside its forward (e.g. a gradient penalty through "
+                "torch.autograd.grad), whose graph the forward goes on with. Such a step cannot be planned: with "
+                "AutoSAC, strict=False trains without a plan."
+            )
+        else:
+            what = (
+                "a backward pass of its own (loss.backward() or torch.autograd.grad). The dry run follows backward "
+                "passes the loop runs (automatic optimization) or that the step runs with self.manual_backward(loss) "
+                "(manual optimization): call that instead."
+            )
+        return ProfilingError(
+            f"The training step runs {what} Autograd ran {func} for the call at {where}. The model was not changed.",
+            op=str(func),
+            module=self._stack[-1] if self._stack else "",
+            source=where,
+        )
 
     # ----------------------------------------------------------------- results
     def modules(self) -> dict[str, ModuleProfile]:

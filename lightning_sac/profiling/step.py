@@ -6,7 +6,7 @@ two loops instead of the accuracy of the profile.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,10 +15,13 @@ from torch import nn
 __all__ = [
     "ComputeLoss",
     "LossFn",
+    "ManualStep",
     "ModelInputs",
     "OptimizerFactory",
     "default_loss",
     "input_signature",
+    "loop_signature",
+    "manual_training_step",
     "model_inputs",
     "model_loss",
     "tensors_of",
@@ -30,6 +33,10 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 #: Runs the forward of a step and returns its scalar loss: ``compute_loss(model, inputs)``, where ``inputs`` is
 #: whatever the step takes (for a plain model, its :data:`ModelInputs`).
 ComputeLoss = Callable[[nn.Module, Any], torch.Tensor]
+#: A step that runs its own backward passes and optimizer steps (Lightning's manual optimization):
+#: ``run(model, inputs, optimizers, on_phase)``. It calls ``on_phase("backward")`` before each backward pass,
+#: ``on_phase("optimizer")`` before each optimizer step, and ``on_phase("forward")`` after each of them.
+ManualStep = Callable[[nn.Module, Any, Sequence[torch.optim.Optimizer], Callable[[str], None]], None]
 #: A model's call, ``model(*args, **kwargs)``, as the pair ``(args, kwargs)``.
 ModelInputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -130,6 +137,7 @@ def training_step(
     on_phase: Callable[[str], None] = lambda phase: None,
     *,
     zero_grad_before_backward: bool = False,
+    accumulate_grad_batches: int = 1,
 ) -> None:
     """Run forward and loss, backward and (if given) the optimizer step with ``zero_grad(set_to_none=True)``.
 
@@ -141,10 +149,25 @@ def training_step(
         on_phase: Called with ``"forward"``, ``"backward"``, ``"optimizer"`` and ``"done"`` as the step moves on.
         zero_grad_before_backward: Lightning's order: the previous step's gradients live through the forward
             and are set to ``None`` just before backward, not after the optimizer step.
+        accumulate_grad_batches: Lightning's gradient accumulation over this many micro-batches (with
+            ``zero_grad_before_backward``): the step run is the last micro-batch of a cycle, whose loss is divided
+            by it, whose backward adds to the gradients of the earlier micro-batches (alive through its forward
+            and backward) and after which the optimizer steps.
     """
+    if accumulate_grad_batches < 1:
+        raise ValueError(f"accumulate_grad_batches must be at least 1, got {accumulate_grad_batches}.")
     on_phase("forward")
     loss = _check_loss(compute_loss(model, inputs))
-    if zero_grad_before_backward and optimizer is not None:
+    if accumulate_grad_batches > 1:
+        # Lightning's order within a cycle of k micro-batches: the first sets the gradients to None after its
+        # forward and backward writes fresh ones; every later one keeps them through its forward, and its backward
+        # adds to them in place (AccumulateGrad's `grad += new`, the new gradient a temporary that the first
+        # micro-batch has too, as its .grad); the optimizer steps after the k-th. With the same batch shapes the
+        # micro-batches hold the same activations, so at every moment the last one holds at least what any other
+        # holds: all gradients instead of those produced so far, and the optimizer step besides. It is the one
+        # dry-run: a plan that holds for it holds for the whole cycle. Lightning divides the loss, not in place.
+        loss = loss / accumulate_grad_batches
+    elif zero_grad_before_backward and optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     on_phase("backward")
     loss.backward()
@@ -155,6 +178,38 @@ def training_step(
         if not zero_grad_before_backward:
             optimizer.zero_grad(set_to_none=True)
     on_phase("done")
+
+
+def manual_training_step(
+    model: nn.Module,
+    inputs: Any,
+    run: ManualStep,
+    optimizers: Sequence[torch.optim.Optimizer],
+    on_phase: Callable[[str], None] = lambda phase: None,
+) -> None:
+    """Run a step that optimizes itself: ``run`` moves the phases on as it backpropagates and steps.
+
+    Args:
+        model: The module to train.
+        inputs: Its inputs, as ``run`` takes them.
+        run: The step (see :data:`ManualStep`).
+        optimizers: The optimizers it steps.
+        on_phase: Called with ``"forward"`` first, ``"done"`` last, and by ``run`` in between.
+    """
+    on_phase("forward")
+    run(model, inputs, optimizers, on_phase)
+    on_phase("done")
+
+
+def loop_signature(accumulate_grad_batches: int = 1, manual: bool = False) -> list[str]:
+    """How the training loop runs the step, where it differs from a plain step, as a profile's signature lists it.
+
+    A plan made for one loop does not hold for another (accumulation keeps gradients alive through backward; a
+    manual step runs its own passes), so the loop is part of what a plan is made for, beside the input shapes.
+    """
+    if manual:
+        return ["manual_optimization"]
+    return [f"accumulate_grad_batches={accumulate_grad_batches}"] if accumulate_grad_batches > 1 else []
 
 
 def tensors_of(x: Any) -> list[torch.Tensor]:

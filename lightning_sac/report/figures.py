@@ -11,7 +11,7 @@ from typing import Any
 from lightning_sac.measure import TIMELINE_CATEGORIES, MemoryTimeline
 from lightning_sac.plan import Plan
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.solver.memory_model import activation_windows, device_bytes
+from lightning_sac.solver.memory_model import activation_windows, ddp_bucket_bytes, device_bytes
 from lightning_sac.solver.milp import find_candidates
 from lightning_sac.tradeoff import ModuleTradeoff
 
@@ -108,8 +108,9 @@ def predicted_step_memory(profile: ModelProfile, plan: Plan | None) -> list[int]
     world = plan.world_size if plan is not None else 1
     sharding = plan.sharding if plan is not None else "replicated"
     out = []
+    bucket = ddp_bucket_bytes(profile)
     for k, e in enumerate(profile.timeline[:-1]):
-        value = device_bytes(e.peak_after or e.at, world, sharding)
+        value = device_bytes(e.peak_after or e.at, world, sharding, bucket)
         for f, b in freed.items():
             if f in windows and windows[f][0] <= k < windows[f][1]:
                 # What the checkpoint frees, less the inputs it keeps that the plain step has freed by now.

@@ -23,6 +23,7 @@ __all__ = [
     "activation_windows",
     "backward_ends",
     "constant_floor",
+    "ddp_bucket_bytes",
     "device_bytes",
     "memory_constraints",
     "peak_with_plan",
@@ -31,13 +32,29 @@ __all__ = [
 _SHARDED = ("parameter", "gradient", "optimizer_state")
 
 
-def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str) -> int:
-    """Bytes on one device: sharded training keeps 1/world_size of parameters, gradients and optimizer state."""
+def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str, bucket_bytes: int = 0) -> int:
+    """Bytes on one device: sharded training keeps 1/world_size of parameters, gradients and optimizer state.
+
+    Replicated training on more than one device adds ``bucket_bytes``: DDP's reducer keeps its gradient buckets
+    (one flat copy of the trainable gradients) from its construction on (:func:`ddp_bucket_bytes`).
+    """
     total = sum(snapshot.values())
     if sharding == "sharded" and world_size > 1:
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
+    if sharding == "replicated" and world_size > 1:
+        total += bucket_bytes
     return total
+
+
+def ddp_bucket_bytes(profile: ModelProfile) -> int:
+    """Bytes of DDP's gradient buckets for this model: every trainable parameter's gradient, once.
+
+    Measured on 2 gloo processes: a DDP step's peak is the single-process peak plus exactly these bytes, with
+    ``gradient_as_bucket_view`` on or off (Lightning sets gradients to ``None``, so the views do not persist).
+    """
+    root = profile.modules.get("")
+    return 0 if root is None else root.gradient_bytes
 
 
 def _held(module: ModuleProfile) -> list[list[int]]:
@@ -63,16 +80,23 @@ def backward_ends(profile: ModelProfile) -> dict[str, int]:
 def activation_windows(profile: ModelProfile) -> dict[str, tuple[int, int]]:
     """Per module with a backward: timeline indices of its (first) forward's end and (first) backward's start.
 
-    A checkpointed module's activations are absent in the intervals between the two.
+    A checkpointed module's activations are absent in the intervals between the two. A step can run several
+    forward and backward passes (manual optimization): the windows are of each module's first forward, and a
+    module whose backward begins in more than one backward pass (an earlier one kept its graph with
+    ``retain_graph=True``) has none, so it is no candidate: a checkpoint of it would recompute in every pass and
+    keep its inputs from one pass to the next, which this model of one backward per module does not describe.
     """
     fwd_end: dict[str, int] = {}
     windows: dict[str, tuple[int, int]] = {}
+    again: set[str] = set()
     for k, e in enumerate(profile.timeline):
         if e.kind == "fwd_post":
             fwd_end.setdefault(e.name, k)
-        elif e.kind == "bwd_pre" and e.name in fwd_end and e.name not in windows:
+        elif e.kind == "bwd_pre" and e.name in windows:
+            again.add(e.name)
+        elif e.kind == "bwd_pre" and e.name in fwd_end:
             windows[e.name] = (fwd_end[e.name], k)
-    return windows
+    return {fqn: w for fqn, w in windows.items() if fqn not in again}
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,7 @@ def memory_constraints(
         sharding: ``"replicated"`` or ``"sharded"``.
     """
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
+    bucket = ddp_bucket_bytes(profile)
 
     ends = backward_ends(profile)
     holding = {j: _held(profile.modules[j]) for j in windows}
@@ -128,11 +153,11 @@ def memory_constraints(
     for k, event in enumerate(timeline):
         snapshot = event.peak_after or event.at
         absent = frozenset(j for j, (end_fwd, begin_bwd) in windows.items() if end_fwd <= k < begin_bwd)
-        add(device_bytes(snapshot, world_size, sharding), absent, None, k)
+        add(device_bytes(snapshot, world_size, sharding, bucket), absent, None, k)
     for j, (_, begin_bwd) in windows.items():
         at = timeline[begin_bwd].at
         absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
-        add(device_bytes(at, world_size, sharding), absent, j, begin_bwd)
+        add(device_bytes(at, world_size, sharding, bucket), absent, j, begin_bwd)
     return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
 
 

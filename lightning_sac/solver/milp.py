@@ -34,6 +34,7 @@ from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
     constant_floor,
+    ddp_bucket_bytes,
     device_bytes,
     memory_constraints,
     peak_with_plan,
@@ -241,7 +242,7 @@ def solve_plan(
     # The model as it runs without a plan: with its KV caches on, when the profile ran without them.
     plain = unconstrained
     if profile.kv_cache_peak is not None:
-        plain = device_bytes(profile.kv_cache_peak, world_size, sharding)
+        plain = device_bytes(profile.kv_cache_peak, world_size, sharding, ddp_bucket_bytes(profile))
     plan = Plan(
         budget_bytes=budget,
         world_size=world_size,

@@ -82,9 +82,9 @@ class AutoSAC(Callback):
             once for the example batch grown to these shapes (each grown dim repeats the tensor's last entry, so
             ids stay ids and a padded row stays padded); a batch still larger is planned for when it comes.
         log_figures: Log the plan's figures to TensorBoard (scalars and the plan table are always logged).
-        measure: Profile the second real training step (the optimizer's state exists by then) with
-            torch.profiler and log its memory timeline and peak beside the prediction; warn when it exceeds the
-            budget.
+        measure: Profile the second real optimizer step (a whole accumulation cycle; the optimizer's state
+            exists by then) with torch.profiler, changing nothing of the step, and log its memory timeline and
+            peak beside the prediction; warn when it exceeds the budget (and when it cannot be measured).
         replace_existing: The model checkpoints itself with Hugging Face's ``gradient_checkpointing``: let the plan
             replace it (those flags are off while the plan is applied). Otherwise modules the model already
             checkpoints are planned around, and AutoSAC says so.

@@ -305,7 +305,7 @@ class AutoSAC(Callback):
                 self._handle = None
             devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
             with torch.random.fork_rng(devices=devices):
-                return self._make_plan(trainer, pl_module, example)
+                return self._make_plan(trainer, pl_module, example, replanning=True)
 
         change = follow_batch(self.shape_plans, trainer, batch, batch_idx, make_plan)
         if change is None:
@@ -385,7 +385,9 @@ class AutoSAC(Callback):
             rank_zero_warn(f"AutoSAC: the plan from {where} does not fit this run ({reason}); planning again.")
         return None
 
-    def _make_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> Plan | None:
+    def _make_plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *, replanning: bool = False
+    ) -> Plan | None:
         spec = self._target(trainer)
         budget, world_size, sharding = self._settings(trainer, spec)
 
@@ -395,7 +397,9 @@ class AutoSAC(Callback):
         except ProfilingError as err:
             if self.strict:
                 raise
-            rank_zero_warn(f"AutoSAC could not profile the training step, so training runs without a plan: {err}")
+            # A failed re-plan keeps the plan applied before (shape_plans says so and for which shapes).
+            outcome = "for a larger batch" if replanning else "so training runs without a plan"
+            rank_zero_warn(f"AutoSAC could not profile the training step {outcome}: {err}")
             return None
         told = self.profile.placeholders if self.profile is not None else []
         self.profiled = True

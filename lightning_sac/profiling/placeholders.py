@@ -255,6 +255,16 @@ def placeholder_message(sites: list[dict[str, Any]]) -> str:
         "have (scalar reads of weight-derived values; torchmetrics metrics, which it does not run):\n"
         + "\n".join(lines)
     )
+    if any(s["kind"] == "metric" for s in sites):
+        # Measured: MulticlassAccuracy(num_classes=128) on 512 predictions allocates 0.16 MB in update, and 143 MB
+        # with torch.use_deterministic_algorithms(True) (Trainer(deterministic=True)): torchmetrics' deterministic
+        # bincount builds an (N, C * C) matrix.
+        text += (
+            "\nWhat these metrics allocate inside update is NOT counted in the plan. It is small as a rule, but "
+            "under Trainer(deterministic=True) torchmetrics' bincount builds an (N, num_classes**2) matrix (143 MB "
+            "for 512 predictions of 128 classes): leave that headroom in the budget, or update such metrics "
+            "outside training_step (e.g. in on_train_batch_end)."
+        )
     if any(s["kind"] == "scalar" for s in sites):
         text += (
             "\nA second dry run with other answers (2, True) computed the same step, so these reads decided "

@@ -398,8 +398,8 @@ class AutoSAC(Callback):
             if self.strict:
                 raise
             # A failed re-plan keeps the plan applied before (shape_plans says so and for which shapes).
-            outcome = "for a larger batch" if replanning else "so training runs without a plan"
-            rank_zero_warn(f"AutoSAC could not profile the training step {outcome}: {err}")
+            outcome = " for a larger batch" if replanning else ", so training runs without a plan"
+            rank_zero_warn(f"AutoSAC could not profile the training step{outcome}: {err}")
             return None
         told = self.profile.placeholders if self.profile is not None else []
         self.profiled = True

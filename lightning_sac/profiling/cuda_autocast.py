@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import Library, fallthrough_kernel
 
-__all__ = ["CUDA_AUTOCAST_POLICY", "CudaAutocastPolicy"]
+__all__ = ["CUDA_AUTOCAST_POLICY", "CudaAutocastPolicy", "KernelOverride"]
 
 _LOWER = (
     "_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d.input "
@@ -166,29 +166,25 @@ def _kernel(name: str, policy: str) -> Callable[..., Any]:
     return kernel
 
 
-class CudaAutocastPolicy:
-    """While active, ``torch.autocast("cpu")`` casts as CUDA autocast does (see the module docstring).
+class KernelOverride:
+    """While active, Python kernels replace some of the dispatcher's (the originals come back on exit).
 
-    Entering registers Python kernels for the ``AutocastCPU`` dispatch key; leaving removes them, which gives the
-    CPU's own kernels back.
+    Subclasses say which in :meth:`register`. torch warns that kernels are overridden: that is the point, and it
+    lasts only until exit, so the warning is silenced.
     """
 
     def __init__(self) -> None:
         self._lib: Library | None = None
 
-    def __enter__(self) -> CudaAutocastPolicy:
-        cpu_only = {
-            r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(_KEY)
-        } - set(CUDA_AUTOCAST_POLICY)
+    def register(self, lib: Library) -> None:
+        """Register the replacement kernels on ``lib``."""
+        raise NotImplementedError
+
+    def __enter__(self) -> KernelOverride:
         lib = Library("aten", "IMPL")
         with warnings.catch_warnings():
-            # torch warns that the CPU's kernels are overridden: that is the point, and they come back on exit.
             warnings.simplefilter("ignore")
-            for name, policy in CUDA_AUTOCAST_POLICY.items():
-                if hasattr(torch.ops.aten, name.partition(".")[0]):
-                    lib.impl(name, _kernel(name, policy), _KEY)
-            for name in sorted(cpu_only):
-                lib.impl(name, fallthrough_kernel, _KEY)
+            self.register(lib)
         self._lib = lib
         return self
 
@@ -196,3 +192,22 @@ class CudaAutocastPolicy:
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None
+
+
+class CudaAutocastPolicy(KernelOverride):
+    """While active, ``torch.autocast("cpu")`` casts as CUDA autocast does (see the module docstring).
+
+    Entering registers Python kernels for the ``AutocastCPU`` dispatch key; leaving removes them, which gives the
+    CPU's own kernels back.
+    """
+
+    def register(self, lib: Library) -> None:
+        """CUDA's policy for the ops it lists; every other op the CPU's autocast casts falls through uncast."""
+        cpu_only = {
+            r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(_KEY)
+        } - set(CUDA_AUTOCAST_POLICY)
+        for name, policy in CUDA_AUTOCAST_POLICY.items():
+            if hasattr(torch.ops.aten, name.partition(".")[0]):
+                lib.impl(name, _kernel(name, policy), _KEY)
+        for name in sorted(cpu_only):
+            lib.impl(name, fallthrough_kernel, _KEY)

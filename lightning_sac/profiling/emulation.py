@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.library import Library
 
 from lightning_sac.profiling.cpu_kernels import rnn_layer_memory
 from lightning_sac.profiling.cpu_promotion import promotion_bytes
-from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy
+from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy, KernelOverride
 
 __all__ = ["CudaAttentionEmulation", "CudaEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
 
@@ -102,7 +101,7 @@ def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return input * input.new_zeros(())
 
 
-class CudaAttentionEmulation:
+class CudaAttentionEmulation(KernelOverride):
     """Route attention and dropout to the CUDA kernels while profiling fake CPU tensors.
 
     The two ops' composite kernels are replaced at the dispatcher while the context is active (the CPU's come back
@@ -111,22 +110,10 @@ class CudaAttentionEmulation:
     saved.
     """
 
-    def __init__(self) -> None:
-        self._lib: Library | None = None
-
-    def __enter__(self) -> CudaAttentionEmulation:
-        lib = Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that the kernels are overridden: until exit
-            lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
-            lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
-        self._lib = lib
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+    def register(self, lib: Library) -> None:
+        """CUDA's attention and dropout kernels in place of the composite ones."""
+        lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+        lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
 
 
 class CudaEmulation(contextlib.ExitStack):

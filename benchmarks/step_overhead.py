@@ -44,9 +44,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from lightning_sac import Plan, profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
+from lightning_sac.apply.recompute import BACKENDS, overhead_ms  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
 from lightning_sac.profiling.step import model_loss, training_step  # noqa: E402
-from lightning_sac.recompute import BACKENDS, overhead_ms  # noqa: E402
 
 GIB = 2**30
 # glibc reads these at start-up: never return freed memory to the OS (no mmap'd chunks, no heap trimming).

@@ -5,10 +5,12 @@
     python examples/gpt_autosac.py --device H100-SXM --budget-gb 1.5 --batch 32 --seq 1024
                                                                 # plan for an H100 from this machine
 
-On the CPU it finishes in about a minute: AutoSAC profiles one step on fake tensors, solves the plan, applies
-it, trains; then the example measures one real planned step with torch.profiler's allocator events and prints
-the predicted peak beside the measured one. With --device naming a GPU it prints that GPU's plan and trains
-on the CPU with it (the predicted numbers are then the GPU's, so nothing is measured).
+On the CPU it finishes in about a minute: AutoSAC profiles one step on fake tensors, solves the plan, prints
+it, applies it, trains; then the example measures one real planned step with torch.profiler's allocator events
+and prints the predicted peak beside the measured one. With --device naming a GPU it prints that GPU's plan and
+trains on the CPU with it (the predicted numbers are then the GPU's, so nothing is measured). The training loss,
+the plan, its figures and the measured step go to TensorBoard: the last lines say where, and the command to
+open them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import copy
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_sac import AutoSAC, apply_plan, profile_model
 from lightning_sac.demos import GPTConfig
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backend", default="sac", choices=["sac", "graph"])
+    parser.add_argument("--logdir", default="lightning_logs", help="TensorBoard log folder (default: %(default)s)")
     args = parser.parse_args()
 
     pl.seed_everything(0)
@@ -58,20 +62,22 @@ def main() -> None:
         print(f"unconstrained peak {plain.peak_bytes / MIB:.1f} MiB: budget {budget * 1024:.1f} MiB (70%)")
 
     autosac = AutoSAC(budget_gb=budget, device=args.device, backend=args.backend)
+    # AutoSAC writes its panels to the trainer's TensorBoardLogger, beside the training loss.
+    logger = TensorBoardLogger(args.logdir, name="gpt_autosac")
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=1,
         callbacks=[autosac],
-        logger=False,
+        logger=logger,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
     )
     trainer.fit(module)
     plan = autosac.plan
-    assert plan is not None
-    print(plan.table())
+    assert plan is not None  # AutoSAC printed it when training began
     print(f"loss: first {module.losses[0]:.3f}, last {module.losses[-1]:.3f} over {len(module.losses)} steps")
     if autosac.measured is not None:
         print(
@@ -90,6 +96,9 @@ def main() -> None:
             f"({error:+.1%}; torch.profiler allocator events of one real planned step), without a plan "
             f"{plan.unconstrained_peak_bytes / MIB:.2f} MiB predicted"
         )
+
+    print(f"TensorBoard logs (loss, plan, figures, measured step): {logger.log_dir}")
+    print(f"  open them with: tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":

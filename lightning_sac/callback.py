@@ -12,13 +12,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_sac.apply import PlanHandle, apply_plan
 from lightning_sac.batch_shapes import check_max_shapes, grow_batch, max_shapes_signature, signature_of
-from lightning_sac.callback_args import check_autosac_args
+from lightning_sac.callback_args import check_autosac_args, check_strategy
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.errors import LightningSACError, ProfilingError
 from lightning_sac.fit_measure import StepMeasurement, compare_measured
@@ -36,11 +35,11 @@ from lightning_sac.profiling.placeholders import placeholder_message
 from lightning_sac.profiling.step import loop_signature, tensors_of
 from lightning_sac.report.tensorboard import TAG, log_measured, log_plan
 from lightning_sac.shape_plans import ShapePlan, ShapePlans, follow_batch
+from lightning_sac.sharding.layout import is_sharded
 
 __all__ = ["AutoSAC"]
 
 _GIB = 2**30
-_SUPPORTED = (SingleDeviceStrategy, DDPStrategy)
 
 
 class AutoSAC(Callback):
@@ -162,12 +161,7 @@ class AutoSAC(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = trainer.strategy
-        if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, _SUPPORTED):
-            raise ValueError(
-                f"AutoSAC supports single-device and DDP training; got {type(strategy).__name__}. Use "
-                "strategy='ddp' (or a single device), or remove AutoSAC."
-            )
+        check_strategy(trainer.strategy)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,9 +228,10 @@ class AutoSAC(Callback):
         self.measured = measured
         device = trainer.strategy.root_device
         writer = self._summary_writer(trainer)
-        log_measured(writer, self.measured, budget_bytes=self.plan.budget_bytes, figures=self.log_figures)
+        step = trainer.global_step - 1  # the measured optimizer step, indexed as Lightning logs train_loss
+        log_measured(writer, self.measured, step=step, plan=self.plan, figures=self.log_figures)
         if device.type == "cuda":
-            writer.add_scalar(f"{TAG}/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / _GIB, 0)
+            writer.add_scalar(f"{TAG}/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / _GIB, step)
         self.compare_measured(self.measured.peak_bytes, device.type, self._target(trainer).is_cuda)
 
     def compare_measured(self, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
@@ -356,7 +351,8 @@ class AutoSAC(Callback):
 
     def _settings(self, trainer: pl.Trainer, spec: DeviceSpec) -> tuple[float, int, str]:
         budget = self.budget_gb if self.budget_gb is not None else self.budget_fraction * spec.memory_gib  # type: ignore[operator]
-        return float(budget), trainer.world_size, "replicated"
+        sharded = is_sharded(trainer.strategy.model or trainer.lightning_module) is not None
+        return float(budget), trainer.world_size, "sharded" if sharded else "replicated"
 
     def _matches(self, plan: Plan, pl_module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> str | None:
         """Why ``plan`` does not fit this run, or ``None`` when it does."""

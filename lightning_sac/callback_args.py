@@ -10,12 +10,23 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import nn
 
+from lightning_sac.apply.recompute import BACKENDS
 from lightning_sac.devices import DeviceSpec, get_device_spec
-from lightning_sac.recompute import BACKENDS
 
-__all__ = ["check_autosac_args"]
+_SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
+
+__all__ = ["check_autosac_args", "check_strategy"]
+
+_SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
 
 _ESTIMATES = ("roofline", "benchmark")
 
@@ -122,3 +133,25 @@ def check_autosac_args(
     if example_batch_fn is not None and not callable(example_batch_fn):
         raise TypeError(f"AutoSAC: example_batch_fn must be a function returning a batch, got {example_batch_fn!r}.")
 
+
+def check_strategy(strategy: Any) -> None:
+    """Refuse a strategy AutoSAC does not plan for, before anything runs.
+
+    Raises:
+        ValueError: Not single-device, DDP, FSDP2 (``ModelParallelStrategy`` without tensor parallelism) or FSDP1
+            (``FSDPStrategy``).
+    """
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, _SUPPORTED):
+        raise ValueError(
+            f"AutoSAC supports single-device, DDP and FSDP training (FSDP2 through ModelParallelStrategy, FSDP1 "
+            f"through FSDPStrategy); got {type(strategy).__name__}. Use one of those, or remove AutoSAC."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        tp = strategy._tensor_parallel_size
+        tp = strategy.num_processes if tp == "auto" else tp
+        if tp != 1:
+            raise ValueError(
+                f"AutoSAC plans FSDP2 (data parallel) training; this ModelParallelStrategy has tensor parallel "
+                f"size {tp} (its default 'auto' is every device), which AutoSAC does not model. Use "
+                "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), or remove AutoSAC."
+            )

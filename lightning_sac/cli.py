@@ -5,6 +5,11 @@
     lightning-sac report plan.json --profile profile.json --out runs/plan
     lightning-sac devices
 
+``MODULE`` is found from the current folder as ``python -m`` finds it (``mymodule:make`` for ``./mymodule.py``),
+or is a path to a ``.py`` file. A wrong input gets one line on stderr saying what to type instead and exit code 2,
+checked before any profiling (:mod:`lightning_sac.cli_args`, :mod:`lightning_sac.cli_checks`); ``--debug`` shows
+the traceback instead.
+
 Built the way accelerate builds ``estimate-memory``: ``gather_*`` functions return data, ``render_*`` functions
 turn it into text, and each command's parser comes from ``*_command_parser(subparsers=None)``.
 """
@@ -12,15 +17,18 @@ turn it into text, and each command's parser comes from ``*_command_parser(subpa
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_sac.cli_args import CliParser, Made, UsageError, call_factory, check_plan_args, load_factory, notice
+from lightning_sac.cli_checks import budget_message, check_candidates, check_checkpointable, read_plan, read_profile
 from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
-from lightning_sac.errors import LightningSACError
+from lightning_sac.errors import BudgetError, LightningSACError
 from lightning_sac.plan import Plan
+from lightning_sac.plan_render import plan_unit
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.dry_run import profile_model
 from lightning_sac.recompute import BACKENDS
@@ -39,29 +47,24 @@ __all__ = [
     "report_command_parser",
 ]
 
-_GIB = 2**30
 
-
-def load_factory(target: str) -> Any:
-    """Import ``MODULE:FACTORY`` (a module path, or a ``.py`` file) and return the factory."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"Expected MODULE:FACTORY (e.g. lightning_sac.demos:gpt_example), got {target!r}.")
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        sys.path.insert(0, str(path.parent))
-        module_name = path.stem
-    module = importlib.import_module(module_name)
-    if not hasattr(module, attr):
-        raise ValueError(f"Module {module_name!r} has no attribute {attr!r}.")
-    return getattr(module, attr)
+def _profile(made: Made, device: str | DeviceSpec, estimate: str, replace_existing: bool) -> ModelProfile:
+    return profile_model(
+        made.model,
+        made.inputs,
+        loss_fn=made.loss_fn,
+        optimizer_factory=made.optimizer_factory,
+        device=device,
+        estimate=estimate,
+        replace_existing=replace_existing,
+    )
 
 
 def gather_plan(
     target: str,
     *,
     budget_gb: float,
-    device: str = "auto",
+    device: str | DeviceSpec = "auto",
     world_size: int = 1,
     sharding: str = "replicated",
     estimate: str = "roofline",
@@ -75,22 +78,12 @@ def gather_plan(
     The factory returns ``(model, example_inputs)``, optionally followed by ``loss_fn`` and
     ``optimizer_factory``, as :func:`~lightning_sac.profile_model` takes them: ``example_inputs`` is a tuple of
     positional inputs or a dict of keyword inputs (a tokenized Hugging Face batch).
+
+    Raises:
+        UsageError: The factory cannot be loaded or returns something else.
+        BudgetError: The budget is below the minimum achievable peak (the Python API's message).
     """
-    made = load_factory(target)()
-    if not isinstance(made, tuple) or not 2 <= len(made) <= 4:
-        raise TypeError(
-            f"{target} must return (model, example_inputs[, loss_fn[, optimizer_factory]]), got {type(made).__name__}."
-        )
-    model, inputs, loss_fn, optimizer_factory = (*made, None, None)[:4]
-    profile = profile_model(
-        model,
-        inputs,
-        loss_fn=loss_fn,
-        optimizer_factory=optimizer_factory,
-        device=device,
-        estimate=estimate,
-        replace_existing=replace_existing,
-    )
+    profile = _profile(call_factory(target), device, estimate, replace_existing)
     plan = solve_plan(
         profile,
         budget_gb,
@@ -104,12 +97,16 @@ def gather_plan(
 
 
 def render_plan(profile: ModelProfile, plan: Plan) -> str:
-    """The plan's table with the profile's step time and peak breakdown."""
-    parts = ", ".join(f"{k} {v / _GIB:.3f}" for k, v in profile.peak_breakdown.items() if v)
-    return (
-        f"profile: {profile.device.name}, step {profile.step_ms:.2f} ms, peak {profile.peak_bytes / _GIB:.3f} GiB "
-        f"({parts})\n{plan.table()}"
+    """The profile's step time and peak (one device, no plan, unsharded), then the plan's table, in one unit."""
+    unit = plan_unit(plan, [profile.peak_bytes, *profile.peak_breakdown.values()])
+    zero = unit.value(0)
+    shown = {k.replace("_", " "): unit.value(v) for k, v in profile.peak_breakdown.items()}
+    parts = ", ".join(f"{k} {v}" for k, v in shown.items() if v != zero)
+    header = (
+        f"profile of one training step on {profile.device.name}, one device holding the whole model, no plan: "
+        f"step {profile.step_ms:.3f} ms, peak {unit(profile.peak_bytes)} ({parts})"
     )
+    return f"{header}\n{plan.table(unit)}"
 
 
 def gather_devices() -> list[DeviceSpec]:
@@ -129,18 +126,25 @@ def render_devices(specs: Sequence[DeviceSpec]) -> str:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    profile, plan = gather_plan(
-        args.factory,
-        budget_gb=args.budget_gb,
-        device=args.device,
-        world_size=args.world_size,
-        sharding=args.sharding,
-        estimate=args.estimate,
-        candidates=args.candidates,
-        n_segments=args.n_segments,
-        backend=args.backend,
-        replace_existing=args.replace_existing,
-    )
+    spec, notes = check_plan_args(args)
+    made = call_factory(args.factory)
+    check_candidates(args.candidates, made.model)
+    for note in notes:  # after every check, so that a wrong input gets its one line alone
+        notice(note)
+    profile = _profile(made, spec, args.estimate, args.replace_existing)
+    check_checkpointable(args.candidates, profile, args.n_segments, args.backend)
+    try:
+        plan = solve_plan(
+            profile,
+            args.budget_gb,
+            world_size=args.world_size,
+            sharding=args.sharding,
+            candidates=args.candidates,
+            n_segments=args.n_segments,
+            backend=args.backend,
+        )
+    except BudgetError as err:
+        raise UsageError(budget_message(err, args, profile)) from err
     print(render_plan(profile, plan))
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=1))
@@ -152,13 +156,17 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def gather_report(plan_path: str, profile_path: str | None, out: str, *, figures: bool = True) -> list[str]:
-    """Write the plan's TensorBoard panels (figures need the profile) to ``out``; return the event files."""
+    """Write the plan's TensorBoard panels (figures need the profile) to ``out``; return the event files.
+
+    Raises:
+        UsageError: A file is missing, is not a plan's (profile's) JSON, or the profile is of another model.
+    """
+    plan = read_plan(plan_path)
+    profile = read_profile(profile_path, plan) if profile_path else None
     from torch.utils.tensorboard import SummaryWriter
 
     from lightning_sac.report.tensorboard import log_plan
 
-    plan = Plan.from_json(Path(plan_path).read_text())
-    profile = ModelProfile.from_json(Path(profile_path).read_text()) if profile_path else None
     writer = SummaryWriter(out)
     try:
         log_plan(writer, plan, profile, figures=figures)
@@ -182,8 +190,10 @@ def _parser(subparsers: Any, name: str, description: str) -> argparse.ArgumentPa
     """A sub-command's parser: under ``lightning-sac`` when ``subparsers`` is given, standalone otherwise."""
     if subparsers is not None:
         parser: argparse.ArgumentParser = subparsers.add_parser(name, description=description, help=description)
-        return parser
-    return argparse.ArgumentParser(f"lightning-sac {name}", description=description)
+    else:
+        parser = CliParser(f"lightning-sac {name}", description=description)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+    return parser
 
 
 def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
@@ -192,12 +202,19 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser = _parser(subparsers, "plan", description)
     parser.add_argument(
         "factory",
-        help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]]), inputs a tuple or a dict",
+        help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]]), inputs a tuple or a dict; "
+        "MODULE is found from the current folder (mymodule:make for ./mymodule.py) or is a path (dir/mymodule.py:make)",
     )
-    parser.add_argument("--budget-gb", type=float, required=True, help="memory budget per device, GiB")
-    parser.add_argument("--device", default="auto", help="target device (see `lightning-sac devices`)")
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--sharding", choices=["replicated", "sharded"], default="replicated")
+    parser.add_argument("--budget-gb", required=True, help="memory budget per device, a number of GiB (e.g. 40)")
+    parser.add_argument("--device", default=None, help="target device (see `lightning-sac devices`); default: this one")
+    parser.add_argument("--world-size", type=int, default=1, help="number of devices the step runs on")
+    parser.add_argument(
+        "--sharding",
+        choices=["replicated", "sharded"],
+        default="replicated",
+        help="replicated (DDP: every device holds all parameters, gradients, optimizer state) or sharded (FSDP: "
+        "those divided over --world-size devices)",
+    )
     parser.add_argument("--estimate", choices=["roofline", "benchmark"], default="roofline")
     parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
     parser.add_argument("--n-segments", type=int, default=2)
@@ -235,9 +252,17 @@ def devices_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``lightning-sac`` command line; returns the exit code."""
-    parser = argparse.ArgumentParser("lightning-sac", description="Automatic selective activation checkpointing.")
+    """Run the ``lightning-sac`` command line; returns the exit code.
+
+    Exit codes: 0 done; 2 a wrong input (arguments, files, the factory, a budget below the minimum), one line on
+    stderr; 1 an unexpected failure, one line naming where it happened. ``--debug`` raises instead.
+    """
+    parser = CliParser("lightning-sac", description="Automatic selective activation checkpointing.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     plan_command_parser(subparsers)
     report_command_parser(subparsers)
@@ -245,10 +270,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
-    except (LightningSACError, ValueError) as err:
-        # A clear message, not a traceback, for what the user can fix; the exit code says it failed.
-        print(f"lightning-sac: error: {err}", file=sys.stderr)
+    except (UsageError, LightningSACError, ValueError) as err:
+        # What the user can fix: one line, no traceback (tracebacks with --debug).
+        if args.debug:
+            raise
+        print(f"lightning-sac: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if args.debug:
+            raise
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        print(
+            f"lightning-sac: error: {type(err).__name__}: {_one_line(err)} ({where.filename}:{where.lineno}); "
+            "rerun with --debug for the traceback",
+            file=sys.stderr,
+        )
+        return 1
     return code
 
 

@@ -2,8 +2,9 @@
 
 A :class:`DeviceSpec` says how much memory a device has, how fast it multiplies in each dtype, how fast it
 moves bytes, and how its allocator rounds requests. :data:`DEVICE_SPECS` holds datasheet figures for common
-training and inference parts; :func:`get_device_spec` looks one up by a forgiving name, and
-:func:`detect_device` describes the device this process would run on.
+training and inference parts (figures and sources in :mod:`lightning_sac.devices_table`);
+:func:`get_device_spec` looks one up by a forgiving name, and :func:`detect_device` describes the device this
+process would run on.
 
 All throughput figures are *dense* peaks. NVIDIA datasheets headline the 2:4 structured-sparsity numbers,
 which are twice the dense ones and which ordinary training never reaches, so those are halved here.
@@ -22,26 +23,20 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "DEVICE_SPECS",
-    "DeviceSpec",
-    "UnknownDeviceError",
-    "detect_device",
-    "get_device_spec",
-    "known_devices",
-]
+from lightning_sac.devices_table import (
+    CPU_DRAM_GBPS,
+    CPU_TFLOPS,
+    CUDA_ALLOCATOR_ROUNDING,
+    DRIVER_NAME_PATTERNS,
+    FALLBACK_CUDA_ENTRY,
+    FP64_FALLBACK_RATIO,
+    GPU_DATASHEETS,
+)
+
+__all__ = ["DEVICE_SPECS", "DeviceSpec", "UnknownDeviceError", "detect_device", "get_device_spec", "known_devices"]
 
 # Throughput keys a DeviceSpec may carry, one per arithmetic the hardware rates separately.
 _TFLOPS_KEYS = frozenset({"fp64", "fp32", "tf32", "bf16", "fp16", "fp8"})
-
-# NVIDIA parts whose datasheets omit FP64 (GA10x, AD10x) run it at 1/64 of the FP32 rate.
-_FP64_FALLBACK_RATIO = 64.0
-
-# The CUDA and HIP caching allocators round every block up to a multiple of 512 bytes.
-_CUDA_ALLOCATOR_ROUNDING = 512
-
-# Used for a CUDA device whose name matches no table entry; see detect_device().
-_FALLBACK_CUDA_ENTRY = "A100-40GB"
 
 # Collected by name so that float8/float4 variants added by newer torch releases are covered without a
 # version check, and ones missing from older releases (torch>=2.6 is supported) are simply absent.
@@ -144,7 +139,7 @@ class DeviceSpec:
         if dtype == torch.float32:
             return self.tflops["tf32"] if tf32 and "tf32" in self.tflops else fp32
         if dtype == torch.float64:
-            return self.tflops.get("fp64", fp32 / _FP64_FALLBACK_RATIO)
+            return self.tflops.get("fp64", fp32 / FP64_FALLBACK_RATIO)
         if dtype == torch.bfloat16:
             return self.tflops.get("bf16", fp32)
         if dtype == torch.float16:
@@ -230,137 +225,25 @@ def _host_memory_gib() -> float:
     return total / 2**30
 
 
-def _gpu(name: str, *, memory_gib: float, tflops: dict[str, float], dram_gbps: float) -> tuple[str, DeviceSpec]:
-    spec = DeviceSpec(
-        name=name,
-        memory_gib=memory_gib,
-        tflops=tflops,
-        dram_gbps=dram_gbps,
-        allocator_rounding=_CUDA_ALLOCATOR_ROUNDING,
-        is_cuda=True,
-    )
-    return name, spec
-
-
 def _build_table() -> dict[str, DeviceSpec]:
-    # Conventions for every GPU entry:
-    # * Memory is the datasheet capacity. Vendors write "GB", but HBM/GDDR capacities are binary, so the
-    #   number is taken as GiB; the driver exposes slightly less (detect_device() uses the real figure).
-    # * Sparse "with sparsity" tensor figures are halved to dense; FP32/FP64 are never sparse figures.
-    # * "fp64" is the FP64 Tensor Core / matrix-core figure where one exists: cuBLAS and rocBLAS use it for
-    #   DGEMM without any opt-in (unlike TF32), so it is what a default float64 matmul can reach.
-    # * "fp16" is the rate with FP32 accumulation, which is what torch's fp16 GEMMs use.
-    # * "fp64" is omitted where the datasheet omits it; peak_tflops() then uses fp32 / 64.
-    entries = [
-        # NVIDIA A100 Tensor Core GPU datasheet, "A100 40GB SXM" column.
-        _gpu(
-            "A100-40GB",
-            memory_gib=40,
-            tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
-            dram_gbps=1555,
-        ),
-        # NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM" column (HBM2e).
-        _gpu(
-            "A100-80GB",
-            memory_gib=80,
-            tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
-            dram_gbps=2039,
-        ),
-        # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column; dense tensor figures as printed in the
-        # NVIDIA H100 Tensor Core GPU Architecture whitepaper. FP64 non-tensor is 34.
-        _gpu(
-            "H100-SXM",
-            memory_gib=80,
-            tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-            dram_gbps=3350,
-        ),
-        # NVIDIA H100 Tensor Core GPU Architecture whitepaper, "H100 PCIe" column (the datasheet rounds
-        # these to 51 / 756* / 1513* / 3026* with sparsity). FP64 non-tensor is 25.6.
-        _gpu(
-            "H100-PCIe",
-            memory_gib=80,
-            tflops={"fp64": 51.2, "fp32": 51.2, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513},
-            dram_gbps=2000,
-        ),
-        # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM" column: H100 SXM compute, 141 GB HBM3e.
-        _gpu(
-            "H200",
-            memory_gib=141,
-            tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-            dram_gbps=4800,
-        ),
-        # NVIDIA DGX B200 / HGX B200 datasheets, 8-GPU totals divided by 8 (1,440 GB, 64 TB/s; FP32 600,
-        # FP64 296, TF32 18 P*, BF16/FP16 36 P*, FP8 72 P* with sparsity). Early announcements said 192 GB.
-        _gpu(
-            "B200",
-            memory_gib=180,
-            tflops={"fp64": 37, "fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
-            dram_gbps=8000,
-        ),
-        # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure published).
-        _gpu(
-            "L4",
-            memory_gib=24,
-            tflops={"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
-            dram_gbps=300,
-        ),
-        # NVIDIA L40S datasheet (dense | sparse printed side by side; no FP64 figure published).
-        _gpu(
-            "L40S",
-            memory_gib=48,
-            tflops={"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
-            dram_gbps=864,
-        ),
-        # NVIDIA A10 Tensor Core GPU datasheet. The A10G is AWS's variant of this GA102 part (G5 instances)
-        # with no public NVIDIA datasheet; AWS lists the same 24 GB / 600 GB/s, clocks are within ~1%.
-        _gpu(
-            "A10G",
-            memory_gib=24,
-            tflops={"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125},
-            dram_gbps=600,
-        ),
-        # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix table, GeForce RTX 4090. GeForce runs
-        # FP16/BF16 (and FP8) tensor math with FP32 accumulation at half the FP16-accumulate rate, so these
-        # are 165.2 (not 330.3) and 330.3 (not 660.6).
-        _gpu(
-            "RTX-4090",
-            memory_gib=24,
-            tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
-            dram_gbps=1008,
-        ),
-        # NVIDIA Tesla V100 GPU datasheet, "V100 SXM2" column, 32 GB model. No TF32, BF16 or FP8;
-        # "fp16" is the 125 TFLOPS "Tensor Performance" figure.
-        _gpu(
-            "V100",
-            memory_gib=32,
-            tflops={"fp64": 7.8, "fp32": 15.7, "fp16": 125},
-            dram_gbps=900,
-        ),
-        # AMD Instinct MI300X accelerator datasheet (FP64 matrix 163.4, vector 81.7; dense figures, the
-        # sparse ones are printed separately).
-        _gpu(
-            "MI300X",
-            memory_gib=192,
-            tflops={
-                "fp64": 163.4,
-                "fp32": 163.4,
-                "tf32": 653.7,
-                "bf16": 1307.4,
-                "fp16": 1307.4,
-                "fp8": 2614.9,
-            },
-            dram_gbps=5300,
-        ),
-    ]
-    table = dict(entries)
-    # Not a datasheet: modest figures for a few-core x86 server (AVX2/AVX-512 FMA on ~4 cores, one or two
-    # DDR4 channels), so that plans made on a laptop or CI runner are not wildly optimistic. torch runs bf16
-    # matmuls on CPU at about the fp32 rate unless AMX is present. Memory is this machine's physical RAM.
+    # The figures and their sources are in devices_table; every GPU gets the CUDA/HIP allocator's rounding.
+    table = {
+        sheet.name: DeviceSpec(
+            name=sheet.name,
+            memory_gib=sheet.memory_gib,
+            tflops=dict(sheet.tflops),
+            dram_gbps=sheet.dram_gbps,
+            allocator_rounding=CUDA_ALLOCATOR_ROUNDING,
+            is_cuda=True,
+        )
+        for sheet in GPU_DATASHEETS
+    }
+    # The profiler reports requested bytes on the CPU: no rounding.
     table["cpu"] = DeviceSpec(
         name="cpu",
         memory_gib=_host_memory_gib(),
-        tflops={"fp64": 0.1, "fp32": 0.2, "bf16": 0.2},
-        dram_gbps=20,
+        tflops=dict(CPU_TFLOPS),
+        dram_gbps=CPU_DRAM_GBPS,
         allocator_rounding=1,
         is_cuda=False,
     )
@@ -378,24 +261,8 @@ def _normalize(name: str) -> str:
 
 _BY_NORMALIZED_NAME: Mapping[str, str] = MappingProxyType({_normalize(name): name for name in DEVICE_SPECS})
 
-# Driver-reported names (torch.cuda.get_device_properties(...).name) to table entries, tried in order: the
-# more specific pattern first wherever one name contains another (H100 PCIe before H100, L40S before L4).
 _DRIVER_NAME_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), entry)
-    for pattern, entry in (
-        (r"\bH100\b.*\bPCIE\b", "H100-PCIe"),
-        (r"\bH100\b", "H100-SXM"),  # "NVIDIA H100 80GB HBM3"; also H100 NVL, whose compute is close.
-        (r"\bG?H200\b", "H200"),  # GH200's GPU is an H100/H200-class Hopper with HBM3/HBM3e.
-        (r"\bG?B200\b", "B200"),
-        (r"\bA100\b.*\b80\s*GB\b", "A100-80GB"),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
-        (r"\bA100\b", "A100-40GB"),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
-        (r"\bL40S\b", "L40S"),
-        (r"\bL4\b", "L4"),
-        (r"\bA10G?\b", "A10G"),  # the plain A10 has the same datasheet figures
-        (r"\bRTX\s*4090\b", "RTX-4090"),
-        (r"\bV100\b", "V100"),
-        (r"\bMI300X\b", "MI300X"),
-    )
+    (re.compile(pattern, re.IGNORECASE), entry) for pattern, entry in DRIVER_NAME_PATTERNS
 )
 
 
@@ -468,7 +335,7 @@ def detect_device() -> DeviceSpec:
     name = str(props.name)
     entry = _table_entry_for_driver_name(name)
     if entry is None:
-        entry = _FALLBACK_CUDA_ENTRY
+        entry = FALLBACK_CUDA_ENTRY
         warnings.warn(
             f"No device table entry matches CUDA device {name!r}; using {entry} throughput and bandwidth. "
             "Pass a DeviceSpec with this device's figures for accurate plans.",

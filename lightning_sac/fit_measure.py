@@ -16,11 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, record_function
 
 from lightning_sac.measure import MemoryTimeline, event_name, memory_timeline, unique_bytes
 from lightning_sac.plan import Plan
 from lightning_sac.profiling.step import tensors_of
+from lightning_sac.quiet import QuietProfile
 
 __all__ = ["StepMeasurement", "compare_measured", "window_peak"]
 
@@ -40,11 +42,17 @@ def window_peak(events: list[tuple[int, int]], window: tuple[int, int], alive_at
 
 
 def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
-    """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with."""
+    """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with, on this rank.
+
+    Under FSDP the rank holds shards: a ``DTensor``'s local tensor (FSDP2), FSDP1's flat shard (whose views the
+    wrapper's parameters are).
+    """
+    model = trainer.strategy.model or pl_module
     state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
-    tensors = [*pl_module.parameters(), *pl_module.buffers(), *tensors_of((batch, state))]
-    tensors += [p.grad for p in pl_module.parameters() if p.grad is not None]
-    return unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
+    params = list(model.parameters())
+    tensors = [*params, *model.buffers(), *tensors_of((batch, state)), *[p.grad for p in params if p.grad is not None]]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if isinstance(t, torch.Tensor)]
+    return unique_bytes(local)
 
 
 class StepMeasurement:
@@ -73,7 +81,7 @@ class StepMeasurement:
         """Start the profiler before the first micro-batch, and the measured window before the cycle after it."""
         k = trainer.accumulate_grad_batches
         if self._seen == 0:
-            self._profiler = profile(
+            self._profiler = QuietProfile(  # no Kineto status lines on the console
                 activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
                 profile_memory=True,
                 record_shapes=True,

@@ -13,6 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError
@@ -87,7 +89,12 @@ def profile_lightning_step(
         return first_optimizer(module.configure_optimizers())  # type: ignore[operator]
 
     run = ManualDryRun(trainer, compute_loss) if manual else None
-    return profile_step(
+    autocast = _AUTOCAST.get(str(trainer.precision))
+    if isinstance(trainer.precision_plugin, FSDPPrecision) and not settings.spec.is_cuda:
+        # Lightning's FSDP precision autocasts CUDA only; FSDP1's mixed precision computes on cast parameters,
+        # which the unsharded copy has (lightning_sac.sharding.unsharded).
+        autocast = None
+    profile = profile_step(
         pl_module,
         (batch,),
         None if run else compute_loss,
@@ -95,9 +102,12 @@ def profile_lightning_step(
         device=settings.spec,
         estimate=settings.estimate,
         share=(trainer,),
-        autocast_dtype=_AUTOCAST.get(str(trainer.precision)),
+        autocast_dtype=autocast,
         lightning_order=True,
         replace_existing=settings.replace_existing,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         manual_step=run.run if run else None,
+        wrapper=trainer.strategy.model if trainer.strategy.model is not pl_module else None,
     )
+    profile.data_parallel = isinstance(trainer.strategy.model, DistributedDataParallel)
+    return profile

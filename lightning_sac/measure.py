@@ -22,6 +22,7 @@ from lightning_sac.profiling.step import (
     tensors_of,
     training_step,
 )
+from lightning_sac.quiet import QuietProfile
 
 __all__ = [
     "TIMELINE_CATEGORIES",
@@ -103,7 +104,7 @@ def measure_training_step(
     )
     grads = [p.grad for p in params if p.grad is not None]
     baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         training_step(model, inputs, compute_loss, optimizer)
     return peak_from_events(memory_events(prof, "cpu"), baseline)
 

@@ -11,13 +11,14 @@ from typing import Any
 
 from torch import nn
 
+from lightning_sac.plan_render import ByteUnit, render_plan_table
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.step import input_signature, model_inputs
+from lightning_sac.sharding.layout import unsharded_structure
 
 __all__ = ["ModuleDecision", "Plan", "fingerprint_of", "profile_fingerprint"]
 
 _GIB = 2**30
-_MIB = 2**20
 
 
 @dataclass(kw_only=True)
@@ -117,29 +118,13 @@ class Plan:
         """Parse :meth:`to_json` output."""
         return cls.from_dict(json.loads(text))
 
-    def table(self) -> str:
-        """A readable table: fqn, discard %, freed MiB and recompute ms per module, then the totals."""
-        width = max([len("module"), *map(len, self.decisions)])
-        lines = [f"{'module':<{width}}  {'discard %':>9}  {'freed MiB':>10}  {'recompute ms':>12}"]
-        lines.append("-" * len(lines[0]))
-        for fqn, d in self.decisions.items():
-            lines.append(
-                f"{fqn:<{width}}  {100 * d.discard_ratio:>9.1f}  {d.freed_bytes / _MIB:>10.2f}  {d.recompute_ms:>12.3f}"
-            )
-        if not self.decisions:
-            lines.append("(no module needs checkpointing)")
-        lines.append("-" * len(lines[0]))
-        lines.append(
-            f"{self.device} ({self.backend} backend), budget {self.budget_gb:.2f} GiB, world size {self.world_size} "
-            f"({self.sharding}): "
-            f"peak {self.predicted_peak_bytes / _GIB:.3f} GiB "
-            f"(without plan {self.unconstrained_peak_bytes / _GIB:.3f}), "
-            f"recompute {self.predicted_recompute_ms:.3f} ms"
-            + (f" + backend overhead {self.predicted_overhead_ms:.3f} ms" if self.predicted_overhead_ms else "")
-            + f" of a {self.predicted_step_ms:.3f} ms step, "
-            f"solved in {self.solver_seconds:.2f} s ({self.solver_status}, gap {self.solver_gap:.2%})"
-        )
-        return "\n".join(lines)
+    def table(self, unit: ByteUnit | None = None) -> str:
+        """A readable table (fqn, discard %, freed memory, recompute ms per module), its legend and a summary.
+
+        Args:
+            unit: The unit of memory figures; default GiB or MiB by their size (see :mod:`lightning_sac.plan_render`).
+        """
+        return render_plan_table(self, unit)
 
 
 def _fingerprint(structure: list[tuple[str, str]], input_signature: list[str]) -> str:
@@ -165,5 +150,5 @@ def fingerprint_of(
     keyword inputs, or both. ``loop`` is the training loop's part of the profile's signature
     (:func:`~lightning_sac.profiling.step.loop_signature`; empty for a plain step).
     """
-    structure = [(fqn, type(m).__name__) for fqn, m in model.named_modules()]
+    structure = unsharded_structure(model)  # a sharded model is profiled as it was before sharding
     return _fingerprint(structure, input_signature(model_inputs(example_inputs, example_kwargs)) + list(loop))

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pwlf
 
+from lightning_sac.apply.recompute import output_op, recompute_costs
 from lightning_sac.profiling.data import ModuleOpStats
-from lightning_sac.recompute import output_op, recompute_costs
 
 __all__ = ["ModuleTradeoff", "RecomputeUnit", "effective_memory", "module_tradeoff", "recompute_units"]
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lightning_sac.measure import unique_bytes
@@ -30,31 +32,62 @@ class BatchPeaks(pl.Callback):
 
     Args:
         out_dir: When given, rank ``r`` writes ``peaks_rank{r}.json`` there (for ``ddp_spawn`` fits).
+        at_train_start: Start in ``on_train_start`` instead of ``setup``: for sharded fits, whose parameters are
+            replaced by their shards in ``configure_model`` after ``setup`` (the unsharded originals were
+            allocated before any profiler could see them). The bytes alive then are the rank's own: its
+            parameter shards (a DTensor's local tensor, FSDP1's flat shard) and buffers. Each batch then starts
+            from the bytes of the tensors alive at its start (parameter shards, their gradients, the optimizer's
+            state, buffers) rather than from the sum of every allocation and free recorded before it: with gloo,
+            a collective's buffer can be freed on gloo's worker thread, which the profiler does not record, and
+            the running sum would carry that block into every later batch.
 
     Attributes:
         peaks: Bytes per training batch, in order, after ``fit``.
     """
 
-    def __init__(self, out_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, out_dir: str | os.PathLike[str] | None = None, at_train_start: bool = False) -> None:
         self.out_dir = None if out_dir is None else Path(out_dir)
+        self.at_train_start = at_train_start
         self.peaks: list[int] = []
         self.starts: list[int] = []  # bytes alive when each batch began
         self._prof: Any = None
         self._range: Any = None
         self._baseline = 0
         self._n = 0
+        self._alive: list[int] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit" and not self.at_train_start:
+            self._start([*pl_module.parameters(), *pl_module.buffers()])
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_train_start:
+            model = trainer.strategy.model or pl_module
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+            self._start([*local, *model.buffers()])
+
+    def _start(self, alive: list[Any]) -> None:
         # The CPU allocator reports to a profiler the frees of blocks an earlier profiler session saw allocated:
         # collect an earlier fit's garbage now, or its frees would count against this fit.
         gc.collect()
-        self._baseline = unique_bytes([*pl_module.parameters(), *pl_module.buffers()])
+        self._baseline = unique_bytes(alive)
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self.at_train_start:
+            model = trainer.strategy.model or pl_module
+            params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+            grads = [g for p in model.parameters() if (g := p.grad) is not None]
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            state = [
+                v.to_local() if isinstance(v, DTensor) else v
+                for opt in trainer.optimizers
+                for per_param in opt.state.values()
+                for v in per_param.values()
+                if isinstance(v, torch.Tensor)
+            ]
+            self._alive.append(unique_bytes([*params, *grads, *state, *model.buffers()]))
         self._range = record_function(f"fit_harness_batch_{self._n}")
         self._range.__enter__()
 
@@ -73,7 +106,7 @@ class BatchPeaks(pl.Callback):
         self.peaks, self.starts = [], []
         for i in sorted(windows):
             lo, hi = windows[i]
-            alive = self._baseline + sum(d for t, d in memory if t < lo)
+            alive = self._alive[i] if self.at_train_start else self._baseline + sum(d for t, d in memory if t < lo)
             self.starts.append(alive)
             peak = alive
             for t, d in memory:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lightning_sac import graph_ac
-from lightning_sac.graph_ac import _graph, compose_policies, save_recompute_policy
+from lightning_sac.apply.graph_ac import _graph, compose_policies, save_recompute_policy
 
 P = CheckpointPolicy
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
 from lightning_sac.apply import apply_plan
-from lightning_sac.graph_ac import _graph
+from lightning_sac.apply.graph_ac import _graph
 from lightning_sac.profiling.ops import is_sac_ignored, op_name
 from lightning_sac.profiling.overhead import measure_backend_overheads
 from lightning_sac.profiling.step import default_loss

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_sac.apply.planned import Notices
-from lightning_sac.apply.sac import SelectiveCheckpointForward
+from lightning_sac.apply.fsdp_hooks import bracket_fsdp_units
+from lightning_sac.apply.recompute import check_backend
 from lightning_sac.caches import CacheCall, CacheSwitch
 from lightning_sac.compiled import traced_module
-from lightning_sac.plan import Plan
-from lightning_sac.recompute import check_backend
+from lightning_sac.sharding.layout import clean_fqn, is_sharded
+
+if TYPE_CHECKING:
+    from lightning_sac.apply.planned import Notices
+    from lightning_sac.plan import Plan
+
+# The wrappers (planned.py, sac.py, graph_ac.py) import lightning_sac.plan, which imports the profiler, which
+# imports lightning_sac.apply.recompute: importing them here would make `import lightning_sac.plan` circular.
+# They are imported by apply_plan when it runs.
 
 __all__ = ["PlanHandle", "apply_plan"]
 
@@ -34,6 +42,7 @@ class PlanHandle:
     _modules: dict[str, nn.Module] = field(default_factory=dict, repr=False)
     _flags_off: list[nn.Module] = field(default_factory=list, repr=False)
     _caches: CacheSwitch | None = field(default=None, repr=False)
+    _hooks: list[RemovableHandle] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
         """Restore every wrapped module's own forward, the checkpointing flags the plan turned off, and caches."""
@@ -41,6 +50,9 @@ class PlanHandle:
             if module.__dict__.get("forward") is self.wrappers[fqn]:
                 del module.forward
         self._modules.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         for module in self._flags_off:
             module.__dict__["gradient_checkpointing"] = True
         self._flags_off.clear()
@@ -90,7 +102,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
         model: The model the plan was made for.
         plan: The plan.
         backend: ``"sac"`` (``torch.utils.checkpoint`` with selective policies) or ``"graph"``
-            (:mod:`lightning_sac.graph_ac`, graph-based recomputation); default the plan's ``backend``, the one
+            (:mod:`lightning_sac.apply.graph_ac`, graph-based recomputation); default the plan's ``backend``, the one
             its predicted recompute is for. Another one frees the same memory at another recompute cost.
 
     Raises:
@@ -99,7 +111,9 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
     """
     backend = plan.backend if backend is None else backend
     check_backend(backend)
-    modules = dict(model.named_modules())
+    # Plans name modules as in the unsharded model: FSDP1's wrapper segments are not in their fqns, and a planned
+    # FSDP1 unit is checkpointed inside its wrapper (the module it wraps), as FSDP gathers before it runs.
+    modules = {clean_fqn(name): m for name, m in model.named_modules()}
     missing = [fqn for fqn in [*plan.decisions, *plan.replaces_checkpointing] if fqn not in modules]
     if missing:
         raise ValueError(
@@ -119,15 +133,24 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
         if getattr(modules[fqn], "gradient_checkpointing", None) is True:
             modules[fqn].__dict__["gradient_checkpointing"] = False
             handle._flags_off.append(modules[fqn])
+    from lightning_sac.apply.planned import Notices
+    from lightning_sac.apply.sac import SelectiveCheckpointForward
+
     notices = Notices()
     if plan.kv_cache_off:
         handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
     for fqn, decision in plan.decisions.items():
         module = planned[fqn]
+        if backend != "sac" and any(is_sharded(child) for child in module.children()):
+            raise ValueError(
+                f"Module {fqn!r} contains FSDP units; the {backend!r} backend cannot checkpoint across FSDP's "
+                "gathers. Use backend='sac' (the default)."
+            )
+        handle._hooks += bracket_fsdp_units(module)
         if backend == "sac":
             wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
         else:
-            from lightning_sac.graph_ac import GraphCheckpointForward
+            from lightning_sac.apply.graph_ac import GraphCheckpointForward
 
             wrapper = GraphCheckpointForward(module, fqn, decision, notices)
         module.__dict__["forward"] = wrapper

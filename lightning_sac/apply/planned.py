@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
 from lightning_sac.apply.traced import TraceReport, traced_contexts
 from lightning_sac.caches import layer_indices, without_kv_caches
 from lightning_sac.plan import ModuleDecision
@@ -123,6 +124,8 @@ class PlannedForward:
         output: Any = None,
     ) -> CheckpointPolicy:
         """The decision for the next op of the call, ``func`` with its arguments (and its output, for SAC)."""
+        if in_fsdp_hook():  # a contained FSDP unit's own work, not the module's compute: not counted
+            return CheckpointPolicy.PREFER_RECOMPUTE
         i = state.index
         state.index += 1
         if state.mismatch is None:

@@ -42,11 +42,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from lightning_sac.apply.recompute import BACKENDS, recompute_ms
 from lightning_sac.profiling.data import ModuleProfile
 from lightning_sac.profiling.overhead import whole_module_plan
 from lightning_sac.profiling.runtime import real_tensor
 from lightning_sac.profiling.step import tensors_of
-from lightning_sac.recompute import BACKENDS, recompute_ms
 
 __all__ = ["Opaque", "TensorSpec", "calibrate_modules", "input_spec"]
 

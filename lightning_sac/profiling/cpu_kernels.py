@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_sac.quiet import QuietProfile
 
 __all__ = ["RnnLayerMemory", "rnn_layer_memory"]
 
@@ -59,7 +61,7 @@ def _peak_beyond(run: Any) -> tuple[Any, int]:
     """Run ``run()`` under torch.profiler: its result, and the peak of its allocations beyond what it returns."""
     from lightning_sac.measure import peak_from_events  # the measurement imports the profiler's package
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = run()
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     kept = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.sharding.layout import ShardedLayout
 
 __all__ = [
     "CATEGORIES",
@@ -267,6 +268,10 @@ class ModelProfile:
             run), ``op``, ``module`` (fqn; ``""`` is the root), ``source`` (``file:line in function: code``) and
             ``value`` (the stand-in, as text). A stand-in that decides what the step computes (an ``if`` on it)
             makes the profile describe another step than training runs.
+        sharded: The FSDP units of a sharded model (profiled unsharded: see
+            :mod:`lightning_sac.sharding`), read from the model; ``None`` when it is not sharded.
+        data_parallel: The step runs under ``DistributedDataParallel`` (whose gradient buckets exist even with
+            one process).
     """
 
     device: DeviceSpec
@@ -293,6 +298,8 @@ class ModelProfile:
     kv_cache_with_tokens: list[str] = field(default_factory=list)
     kv_cache_peak: MemorySnapshot | None = None
     placeholders: list[dict[str, Any]] = field(default_factory=list)
+    sharded: ShardedLayout | None = None
+    data_parallel: bool = False
 
     @property
     def plain_peak_bytes(self) -> int:
@@ -310,6 +317,7 @@ class ModelProfile:
         d["device"] = self.device.to_dict()
         d["modules"] = {k: dataclasses.asdict(m) for k, m in self.modules.items()}
         d["timeline"] = [dataclasses.asdict(e) for e in self.timeline]
+        d["sharded"] = None if self.sharded is None else self.sharded.to_dict()
         return d
 
     @classmethod
@@ -319,6 +327,8 @@ class ModelProfile:
         d["device"] = DeviceSpec.from_dict(d["device"])
         d["modules"] = {k: ModuleProfile.from_dict(m) for k, m in d["modules"].items()}
         d["timeline"] = [TimelineEvent(**e) for e in d["timeline"]]
+        if d.get("sharded") is not None:
+            d["sharded"] = ShardedLayout.from_dict(d["sharded"])
         return cls(**d)
 
     def to_json(self, indent: int | None = None) -> str:

@@ -26,6 +26,7 @@ from lightning_sac.profiling.step import (
     model_inputs,
     model_loss,
 )
+from lightning_sac.sharding.layout import sharded_layout
 
 __all__ = ["profile_model", "profile_step"]
 
@@ -119,6 +120,7 @@ def profile_step(
     replace_existing: bool = False,
     accumulate_grad_batches: int = 1,
     manual_step: ManualStep | None = None,
+    wrapper: nn.Module | None = None,
 ) -> ModelProfile:
     """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
 
@@ -146,6 +148,8 @@ def profile_step(
         manual_step: A step that runs its own backward passes and optimizer steps (Lightning's manual
             optimization), instead of ``compute_loss``. It is run once whole before the recorded run, so that the
             recorded one begins with the gradients and optimizer state the fit's steps begin with.
+        wrapper: An FSDP1 unit wrapping ``model`` itself (Lightning's ``trainer.strategy.model``), if any. A
+            sharded model is profiled unsharded, and its units are read into :attr:`ModelProfile.sharded`.
 
     The profile's :attr:`~ModelProfile.input_signature` ends with the loop's settings where they differ from a
     plain step (:func:`~lightning_sac.profiling.step.loop_signature`): a plan made for it is not reused for another.
@@ -162,6 +166,7 @@ def profile_step(
         lightning_order,
         accumulate_grad_batches=accumulate_grad_batches,
         manual=manual_step,
+        wrapper=wrapper,
     )
     # Run again when scalar reads got stand-ins, to check they decided nothing (profiling/placeholders.py).
     run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
@@ -200,6 +205,7 @@ def profile_step(
         kv_cache_off=run.caches.switched_off,
         kv_cache_with_tokens=run.caches.holds_tokens,
         placeholders=run.placeholders,
+        sharded=sharded_layout(model, wrapper),
     )
     if run.caches.switched_off:
         # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or

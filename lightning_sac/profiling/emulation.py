@@ -21,6 +21,8 @@ from torch.library import Library
 from lightning_sac.profiling.cpu_kernels import rnn_layer_memory
 from lightning_sac.profiling.cpu_promotion import promotion_bytes
 from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy, KernelOverride
+from lightning_sac.sharding.layout import is_sharded
+from lightning_sac.sharding.unsharded import unsharded_memo
 
 __all__ = ["CudaAttentionEmulation", "CudaEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
 
@@ -33,24 +35,41 @@ def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: str) -> torch.Tens
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
 
-def fake_copy(model: nn.Module, mode: FakeTensorMode, device: str, *, share: Iterable[object] = ()) -> nn.Module:
+def fake_copy(
+    model: nn.Module,
+    mode: FakeTensorMode,
+    device: str,
+    *,
+    share: Iterable[object] = (),
+    wrapper: nn.Module | None = None,
+) -> nn.Module:
     """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor of the same metadata.
 
     No parameter data is read or copied, so a meta-device model of billions of parameters copies in
     seconds. Tied parameters stay tied. The user's model, its parameters and their ``.grad`` are untouched.
+    A sharded model (FSDP2 or FSDP1) is copied unsharded: its modules as before sharding, its parameters of
+    their global shapes (:mod:`lightning_sac.sharding.unsharded`).
 
     Args:
         model: The model to copy.
         mode: The fake mode the copies belong to.
         device: Device of the fake tensors (``"cpu"`` or ``"cuda"``).
         share: Objects the copy should reference rather than copy (e.g. a Lightning trainer).
+        wrapper: An FSDP1 unit wrapping ``model`` itself (Lightning's ``trainer.strategy.model``), if any.
     """
     memo: dict[int, Any] = {id(o): o for o in share}
-    for p in model.parameters():
-        fake = nn.Parameter(_fake_like(p, mode, device), requires_grad=p.requires_grad)
-        memo[id(p)] = fake
     for b in model.buffers():
         memo[id(b)] = _fake_like(b, mode, device)
+    if is_sharded(wrapper if wrapper is not None else model):
+
+        def make_fake(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            with mode:
+                return torch.empty_strided(tuple(shape), stride, dtype=dtype, device=device)
+
+        unsharded_memo(model, wrapper, make_fake, memo)
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(_fake_like(p, mode, device), requires_grad=p.requires_grad)
     return copy.deepcopy(model, memo)
 
 

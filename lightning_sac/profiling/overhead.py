@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_sac.apply.recompute import BACKENDS
 from lightning_sac.profiling.ops import is_sac_ignored, op_name
-from lightning_sac.recompute import BACKENDS
 
 if TYPE_CHECKING:
     from lightning_sac.plan import Plan

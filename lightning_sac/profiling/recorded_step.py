@@ -48,6 +48,7 @@ class StepSpec:
         autocast_cache: Whether autocast keeps its casts of weights for the whole autocast region. Lightning's
             mixed precision turns the cache off (``cache_enabled=False``): every use of a weight casts it again, and
             a cast autograd does not save is freed at once (:mod:`lightning_sac.profiling.cuda_autocast`).
+        wrapper: An FSDP1 unit wrapping the model itself (its root unit), if any.
     """
 
     device: DeviceSpec
@@ -60,6 +61,7 @@ class StepSpec:
     accumulate_grad_batches: int = 1
     manual: ManualStep | None = None
     autocast_cache: bool = False
+    wrapper: nn.Module | None = None
 
 
 @dataclass
@@ -176,7 +178,7 @@ def record_step(
     # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
     # and counted as memory that existed before the step ("other"), as they would on the device.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fmodel = fake_copy(model, mode, run_on, share=step.share)
+    fmodel = fake_copy(model, mode, run_on, share=step.share, wrapper=step.wrapper)
     finputs = dry_run_inputs(example_inputs, mode, run_on)
     params = list(fmodel.parameters())
     flags = checkpointing_flags(fmodel)

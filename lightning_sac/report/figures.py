@@ -1,7 +1,15 @@
 """Matplotlib figures of a plan: trade-off curves, memory per module, memory across the step, measured timeline.
 
 Each function returns a ``matplotlib.figure.Figure`` built with the object API (no global pyplot state), so
-figures can be made from any thread and handed to TensorBoard's ``add_figure``.
+figures can be made from any thread and handed to TensorBoard's ``add_figure``. The numbers come from
+:mod:`lightning_sac.report.figure_data`.
+
+Memory is in the unit of the plan table (:mod:`lightning_sac.plan_render`): MiB or GiB by size, with the
+same decimals as the console, so the two read alike.
+
+TensorBoard shows an image scaled to the width of its card, about 400 to 500 pixels: figures are 640 pixels
+wide with 12 to 15 point text, so that text stays legible in the card, and legends sit below the axes, where
+they cover no curve.
 """
 
 from __future__ import annotations
@@ -10,36 +18,56 @@ from typing import Any
 
 from lightning_sac.measure import TIMELINE_CATEGORIES, MemoryTimeline
 from lightning_sac.plan import Plan
+from lightning_sac.plan_render import ByteUnit, plan_unit
 from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.solver.memory_model import activation_windows, ddp_bucket_bytes, device_bytes
-from lightning_sac.solver.milp import find_candidates
+from lightning_sac.report.figure_data import ModuleBars, measured_unit, module_memory, step_memory
 from lightning_sac.tradeoff import ModuleTradeoff
 
 __all__ = [
     "measured_timeline_figure",
     "module_memory_figure",
-    "predicted_step_memory",
     "step_memory_figure",
-    "top_modules",
     "tradeoff_figure",
 ]
 
-_GIB = 2**30
+_TITLE, _LABEL, _TICK, _LEGEND = 15, 14, 12, 12
 
 
-def _figure(width: float = 7.0, height: float = 4.0) -> Any:
+def _figure(width: float = 6.4, height: float = 4.8) -> Any:
     from matplotlib.figure import Figure
 
-    return Figure(figsize=(width, height), layout="constrained")
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _style(ax: Any) -> None:
+    ax.tick_params(labelsize=_TICK)
+    ax.grid(alpha=0.3)
+
+
+def _legend_below(fig: Any, axes: list[Any], ncol: int) -> Any:
+    """One legend for ``axes`` below them, outside the plot area."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    return fig.legend(handles, labels, loc="outside lower center", ncol=ncol, fontsize=_LEGEND, frameon=False)
+
+
+def _per_device(plan: Plan) -> str:
+    if plan.world_size == 1:
+        return "one device"
+    return f"one of {plan.world_size} devices, {plan.sharding}"
 
 
 def tradeoff_figure(fqn: str, tradeoff: ModuleTradeoff, discard: float | None = None) -> Any:
     """The module's greedy trade-off curve, its piecewise-linear fit, and the chosen discard ratio."""
-    fig = _figure(5.5, 4.0)
+    fig = _figure()
     ax = fig.add_subplot()
     xs = [100 * x for x, _ in tradeoff.curve]
     ys = [100 * y for _, y in tradeoff.curve]
-    ax.plot(xs, ys, "o-", label="greedy curve", color="tab:blue", markersize=3)
+    ax.plot(xs, ys, "o-", label="greedy curve", color="tab:blue", markersize=4, linewidth=2)
     grid = [i / 100 * tradeoff.max_discard for i in range(101)]
     ax.plot(
         [100 * g for g in grid],
@@ -47,109 +75,116 @@ def tradeoff_figure(fqn: str, tradeoff: ModuleTradeoff, discard: float | None = 
         "--",
         label="fit (never below)",
         color="tab:orange",
+        linewidth=2,
     )
     if discard is not None:
-        ax.axvline(100 * discard, color="tab:red", label=f"chosen: {100 * discard:.1f}% discarded")
-    ax.set_xlabel("activation memory discarded (%)")
-    ax.set_ylabel(f"runtime recomputed (% of {tradeoff.total_runtime:.3f} ms)")
-    ax.set_title(f"{fqn}: {tradeoff.total_memory / 2**20:.1f} MiB of op memory")
-    ax.legend(loc="upper left", fontsize="small")
+        ax.axvline(100 * discard, color="tab:red", linewidth=2, label=f"chosen: {100 * discard:.1f}% discarded")
+    ax.set_xlabel("activation memory discarded (%)", fontsize=_LABEL)
+    ax.set_ylabel(f"recomputed (% of {tradeoff.total_runtime:.3g} ms)", fontsize=_LABEL)
+    ax.set_title(f"{_short(fqn or '<root>', 28)}: {tradeoff.total_memory / 2**20:.1f} MiB", fontsize=_TITLE)
+    _style(ax)
+    _legend_below(fig, [ax], ncol=2)
     return fig
 
 
-def top_modules(profile: ModelProfile, plan: Plan, n: int) -> list[str]:
-    """The checkpointed modules, then the other candidates with the most retained activation memory, ``n`` in all."""
-    others = sorted((c for c in find_candidates(profile) if c.fqn not in plan.decisions), key=lambda c: -c.retained)
-    return (list(plan.decisions) + [c.fqn for c in others])[: max(n, len(plan.decisions))]
+def _short(name: str, width: int) -> str:
+    """``name``, or its tail behind an ellipsis when longer than ``width``: the tail tells modules apart."""
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
-def module_memory_figure(profile: ModelProfile, plan: Plan, n: int = 12) -> Any:
-    """Predicted memory per module by category (GiB), without and with the plan, for the ``n`` largest modules."""
+def _bars(ax: Any, bars: ModuleBars, names: list[str], unit: ByteUnit, with_legend: bool) -> None:
+    """Stacked bars per entry of ``bars``: without the plan on the left of each pair, with it on the right."""
     import numpy as np
 
-    fqns = top_modules(profile, plan, n)
-    cats = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes")
-    labels = ("parameters", "gradients", "optimizer state")
-    without = {
-        label: [getattr(profile.modules[f], c) / _GIB for f in fqns] for c, label in zip(cats, labels, strict=True)
-    }
-    retained = {c.fqn: c.retained for c in find_candidates(profile)}
-    acts = [retained.get(f, 0) / _GIB for f in fqns]
-    freed = [plan.decisions[f].freed_bytes / _GIB if f in plan.decisions else 0.0 for f in fqns]
-    fig = _figure(max(7.0, 0.6 * len(fqns)), 4.5)
-    ax = fig.add_subplot()
-    x = np.arange(len(fqns))
+    x = np.arange(len(bars.fqns))
+    stacks = (
+        ("parameters", bars.parameters, "darkgreen"),
+        ("gradients", bars.gradients, "mediumblue"),
+        ("optimizer state", bars.optimizer_state, "goldenrod"),
+    )
     for offset, with_plan in ((-0.2, False), (0.2, True)):
-        bottom = np.zeros(len(fqns))
-        for (label, values), color in zip(without.items(), ("darkgreen", "mediumblue", "goldenrod"), strict=True):
-            ax.bar(x + offset, values, 0.38, bottom=bottom, color=color, label=label if not with_plan else None)
-            bottom += np.asarray(values)
-        act = np.asarray(acts) - (np.asarray(freed) if with_plan else 0.0)
+        bottom = np.zeros(len(x))
+        for label, values, color in stacks:
+            height = np.asarray(values, dtype=float) / unit.size
+            ax.bar(x + offset, height, 0.38, bottom=bottom, color=color, label=label if with_legend else None)
+            bottom += height
+        acts = np.asarray(bars.activations_with if with_plan else bars.activations_without, dtype=float) / unit.size
+        label = "activations with plan" if with_plan else "activations without plan"
         ax.bar(
             x + offset,
-            act,
+            acts,
             0.38,
             bottom=bottom,
             color="red",
-            alpha=1.0 if with_plan else 0.45,
-            label="activations with plan" if with_plan else "activations without plan",
+            alpha=1.0 if with_plan else 0.4,
+            label=label if with_legend else None,
         )
-    ax.set_xticks(x, [f or "<root>" for f in fqns], rotation=45, ha="right", fontsize="small")
-    ax.set_ylabel("memory (GiB)")
-    ax.set_title("predicted memory per module: without (left) and with (right) the plan")
-    ax.legend(fontsize="small")
+    ax.set_xticks(x, names, rotation=35, ha="right", rotation_mode="anchor")
+    _style(ax)
+
+
+def module_memory_figure(profile: ModelProfile, plan: Plan, n: int = 12) -> Any:
+    """Predicted memory per device by category, without and with the plan, in the plan table's unit.
+
+    The ``n`` largest modules on one axis, the whole model (the root module) apart on its own, since it holds
+    every parameter and activation and would dwarf the rest.
+    """
+    data = module_memory(profile, plan, n)
+    unit = plan_unit(plan)
+    panels = [(data.model, ["whole model"], "whole model"), (data.modules, data.modules.fqns, "per module")]
+    panels = [p for p in panels if p[0].fqns]
+    fig = _figure(max(6.4, 0.55 * len(data.modules.fqns) + 2.2), 5.6)
+    axes = fig.subplots(1, len(panels), width_ratios=[max(1, len(p[0].fqns)) for p in panels], squeeze=False)[0]
+    for ax, (bars, names, title) in zip(axes, panels, strict=True):
+        _bars(ax, bars, [_short(name, 22) for name in names], unit, with_legend=ax is axes[0])
+        ax.set_title(title, fontsize=_LABEL)
+    axes[0].set_ylabel(f"{unit.name} per device", fontsize=_LABEL)
+    fig.suptitle(f"predicted memory, {_per_device(plan)}\nleft bar: without plan, right bar: with", fontsize=_TITLE)
+    _legend_below(fig, list(axes), ncol=2)
     return fig
 
 
-def predicted_step_memory(profile: ModelProfile, plan: Plan | None) -> list[int]:
-    """Predicted bytes on one device at each timeline event's peak, with ``plan`` applied (or without one)."""
-    freed = {} if plan is None else {f: d.freed_bytes for f, d in plan.decisions.items()}
-    windows = activation_windows(profile)
-    world = plan.world_size if plan is not None else 1
-    sharding = plan.sharding if plan is not None else "replicated"
-    out = []
-    bucket = ddp_bucket_bytes(profile)
-    for k, e in enumerate(profile.timeline[:-1]):
-        value = device_bytes(e.peak_after or e.at, world, sharding, bucket)
-        for f, b in freed.items():
-            if f in windows and windows[f][0] <= k < windows[f][1]:
-                # What the checkpoint frees, less the inputs it keeps that the plain step has freed by now.
-                value -= b - sum(n for at, n in profile.modules[f].freed_inputs if at <= k)
-        out.append(value)
-    return out
-
-
 def step_memory_figure(profile: ModelProfile, plan: Plan) -> Any:
-    """Predicted memory at every module boundary of forward and backward, without and with the plan (GiB)."""
-    without = [b / _GIB for b in predicted_step_memory(profile, None)]
-    with_plan = [b / _GIB for b in predicted_step_memory(profile, plan)]
-    fig = _figure(8.0, 4.0)
+    """Predicted memory on one device across the step, without and with the plan, against the budget.
+
+    Both curves use the plan's world size and sharding (:func:`~lightning_sac.report.figure_data.step_memory`);
+    memory is in the unit of the plan table (:func:`~lightning_sac.plan_render.plan_unit`).
+    """
+    data = step_memory(profile, plan)
+    unit = plan_unit(plan)
+    fig = _figure(6.4, 5.0)
     ax = fig.add_subplot()
-    ax.plot(without, label=f"without plan (peak {plan.unconstrained_peak_bytes / _GIB:.3f} GiB)", color="grey")
-    ax.plot(with_plan, label=f"with plan (peak {plan.predicted_peak_bytes / _GIB:.3f} GiB)", color="tab:blue")
-    ax.axhline(plan.budget_bytes / _GIB, color="tab:red", linestyle="--", label=f"budget {plan.budget_gb:.3f} GiB")
-    phases = [(k, e.name) for k, e in enumerate(profile.timeline[:-1]) if e.kind == "phase"]
-    for k, name in phases:
-        ax.axvline(k, color="black", linewidth=0.5)
-        ax.text(k, ax.get_ylim()[1], f" {name}", va="top", fontsize="small")
-    ax.set_xlabel("module boundary of the step (forward, backward, optimizer)")
-    ax.set_ylabel("memory on one device (GiB)")
-    ax.set_title(f"predicted memory across the step on {plan.device}")
-    ax.legend(loc="lower center", fontsize="small")
+    without_label = f"without plan: peak {unit(plan.unconstrained_peak_bytes)}"
+    ax.plot([b / unit.size for b in data.without], label=without_label, color="grey", linewidth=2)
+    with_label = f"with plan: peak {unit(plan.predicted_peak_bytes)}"
+    ax.plot([b / unit.size for b in data.with_plan], label=with_label, color="tab:blue", linewidth=2)
+    budget_label = f"budget {unit(plan.budget_bytes)}"
+    ax.axhline(plan.budget_bytes / unit.size, color="tab:red", linestyle="--", label=budget_label)
+    # The phases as the x ticks: boundary numbers mean nothing to a reader, the phase they fall in does.
+    for k, _ in data.phases:
+        ax.axvline(k, color="black", linewidth=0.8)
+    ax.set_xticks([k for k, _ in data.phases], [name for _, name in data.phases], ha="left")
+    ax.set_xlabel("module boundaries of the step", fontsize=_LABEL)
+    ax.set_ylabel(f"{unit.name} per device", fontsize=_LABEL)
+    ax.set_title(f"predicted memory on {plan.device}, {_per_device(plan)}", fontsize=_TITLE)
+    _style(ax)
+    _legend_below(fig, [ax], ncol=2)
     return fig
 
 
 def measured_timeline_figure(timeline: MemoryTimeline, budget_bytes: int | None = None) -> Any:
-    """A measured step's memory as a stacked area by PyTorch's memory profiler categories (GiB over ms)."""
-    fig = _figure(8.0, 4.0)
+    """A measured step's memory as a stacked area by PyTorch's memory profiler categories, over ms."""
+    unit = measured_unit(timeline.peak_bytes, budget_bytes)
+    fig = _figure(6.4, 5.4)
     ax = fig.add_subplot()
     ms = [t / 1000 for t in timeline.times_us]
-    stacks = [[b / _GIB for b in timeline.by_category[c]] for c in TIMELINE_CATEGORIES]
+    stacks = [[b / unit.size for b in timeline.by_category[c]] for c in TIMELINE_CATEGORIES]
     ax.stackplot(ms, stacks, labels=[c.replace("_", " ") for c in TIMELINE_CATEGORIES], alpha=0.85)
     if budget_bytes is not None:
-        ax.axhline(budget_bytes / _GIB, color="tab:red", linestyle="--", label="budget")
-    ax.set_xlabel("time in the step (ms)")
-    ax.set_ylabel("memory (GiB)")
-    ax.set_title("measured memory of one training step with the plan")
-    ax.legend(loc="upper left", fontsize="x-small", ncol=3)
+        ax.axhline(budget_bytes / unit.size, color="tab:red", linestyle="--", linewidth=2, label="budget")
+    ax.set_xlabel("time (ms)", fontsize=_LABEL)
+    ax.set_ylabel(unit.name, fontsize=_LABEL)
+    ax.set_title(f"measured with the plan: peak {unit(timeline.peak_bytes)}", fontsize=_TITLE)
+    _style(ax)
+    _legend_below(fig, [ax], ncol=3)
     return fig

@@ -1,4 +1,12 @@
-"""TensorBoard panels of a plan: figures, scalars (GiB), the plan table as text, and one chart of the peaks."""
+"""TensorBoard panels of a plan: figures, the plan and its single values as text, and the peaks as series.
+
+Scalars are kept to what reads as a series: ``measured_peak_gib`` at each step AutoSAC measures, and beside it
+``budget_gib`` and ``predicted_peak_gib`` at each step a plan is made or measured, so that one custom chart
+(``lightning_sac`` in the Custom Scalars dashboard) shows the measured peak against the lines of the budget and
+the prediction. Values that do not change over a fit (the peak without the plan, the recompute time, the
+solver's status) are in the ``plan`` text panel, the plan table as the console prints it; every number is per
+device.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,12 @@ from typing import Any
 
 from lightning_sac.measure import MemoryTimeline
 from lightning_sac.plan import Plan
+from lightning_sac.plan_render import plan_unit
 from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.report.figure_data import measured_unit, top_modules
 from lightning_sac.tradeoff import module_tradeoff
 
-__all__ = ["TAG", "log_measured", "log_plan", "plan_markdown"]
+__all__ = ["TAG", "log_measured", "log_plan", "measured_markdown", "plan_markdown"]
 
 #: Prefix of every tag lightning-sac writes.
 TAG = "lightning_sac"
@@ -18,34 +28,40 @@ _GIB = 2**30
 
 
 def plan_markdown(plan: Plan) -> str:
-    """The plan table as markdown, with the predicted peak, recompute and solve time."""
-    rows = ["| module | discard % | freed MiB | recompute ms |", "|---|---|---|---|"]
-    rows += [
-        f"| {fqn} | {100 * d.discard_ratio:.1f} | {d.freed_bytes / 2**20:.2f} | {d.recompute_ms:.3f} |"
-        for fqn, d in plan.decisions.items()
-    ] or ["| (no module needs checkpointing) | | | |"]
-    rows.append("")
-    rows.append(
-        f"**{plan.device}**, budget {plan.budget_gb:.3f} GiB, world size {plan.world_size} ({plan.sharding}): "
-        f"predicted peak {plan.predicted_peak_bytes / _GIB:.3f} GiB (without plan "
-        f"{plan.unconstrained_peak_bytes / _GIB:.3f}), recompute {plan.predicted_recompute_ms:.3f} ms of a "
-        f"{plan.predicted_step_ms:.3f} ms step, solved in {plan.solver_seconds:.2f} s ({plan.solver_status})."
-    )
-    return "\n".join(rows)
+    """The plan table as the console prints it (:meth:`Plan.table`), as a markdown code block.
+
+    One rendering: the per-module table, its legend and the plan's single values (budget, peaks with and
+    without the plan, recompute, step time, world size and sharding, solver) read the same in both places.
+    """
+    return f"```\n{plan.table()}\n```"
+
+
+def measured_markdown(peak_bytes: int, step: int, plan: Plan | None = None, budget_bytes: int | None = None) -> str:
+    """One line: the measured peak at ``step`` beside the budget and the prediction it is read against."""
+    budget = plan.budget_bytes if plan is not None else budget_bytes
+    unit = plan_unit(plan, [peak_bytes]) if plan is not None else measured_unit(peak_bytes, budget)
+    text = f"measured peak per device at step {step}: **{unit(peak_bytes)}**"
+    if budget is not None:
+        text += f", budget {unit(budget)}"
+    if plan is not None:
+        predicted = plan.predicted_peak_bytes
+        error = (peak_bytes - predicted) / predicted if predicted else 0.0
+        text += f", predicted {unit(predicted)} for {plan.device} ({error:+.1%})"
+    return text + "."
 
 
 def _layout(writer: Any) -> None:
     # One chart with the budget, the predicted and the measured peak, so a glance tells whether the plan held.
-    writer.add_custom_scalars(
-        {
-            TAG: {
-                "peak memory (GiB)": [
-                    "Multiline",
-                    [f"{TAG}/budget_gib", f"{TAG}/predicted_peak_gib", f"{TAG}/measured_peak_gib"],
-                ]
-            }
-        }
-    )
+    peaks = ["budget_gib", "predicted_peak_gib", "measured_peak_gib", "cuda_max_allocated_gib"]
+    writer.add_custom_scalars({TAG: {"peak memory per device (GiB)": ["Multiline", [f"{TAG}/{t}" for t in peaks]]}})
+
+
+def _log_lines(writer: Any, step: int, budget_bytes: int | None, predicted_bytes: int | None) -> None:
+    """The budget and the prediction at ``step``: points of the lines the measured peak is read against."""
+    if budget_bytes is not None:
+        writer.add_scalar(f"{TAG}/budget_gib", budget_bytes / _GIB, step)
+    if predicted_bytes is not None:
+        writer.add_scalar(f"{TAG}/predicted_peak_gib", predicted_bytes / _GIB, step)
 
 
 def log_plan(
@@ -53,21 +69,18 @@ def log_plan(
 ) -> None:
     """Write the plan's panels to a ``SummaryWriter``.
 
-    Scalars (GiB, stored as float32 by TensorBoard): ``budget_gib``, ``predicted_peak_gib``,
-    ``unconstrained_peak_gib``, ``predicted_recompute_ms``; text ``plan``; with a profile and ``figures``, the
-    trade-off figure of each checkpointed module and of the top remaining candidates (``top`` in all), memory
-    per module, and memory across the step against the budget.
+    Scalars (GiB, stored as float32 by TensorBoard) ``budget_gib`` and ``predicted_peak_gib`` at ``step``;
+    text ``plan`` with the plan table and its single values (:func:`plan_markdown`); with a profile and
+    ``figures``, the trade-off figure of each checkpointed module and of the top remaining candidates (``top``
+    in all), memory per module, and memory across the step against the budget.
     """
     _layout(writer)
-    writer.add_scalar(f"{TAG}/budget_gib", plan.budget_bytes / _GIB, step)
-    writer.add_scalar(f"{TAG}/predicted_peak_gib", plan.predicted_peak_bytes / _GIB, step)
-    writer.add_scalar(f"{TAG}/unconstrained_peak_gib", plan.unconstrained_peak_bytes / _GIB, step)
-    writer.add_scalar(f"{TAG}/predicted_recompute_ms", plan.predicted_recompute_ms, step)
+    _log_lines(writer, step, plan.budget_bytes, plan.predicted_peak_bytes)
     writer.add_text(f"{TAG}/plan", plan_markdown(plan), step)
     if figures and profile is not None and _have_matplotlib():
         from lightning_sac.report import figures as f
 
-        for fqn in f.top_modules(profile, plan, top):
+        for fqn in top_modules(profile, plan, top):
             stats = profile.modules[fqn].op_stats
             if stats is None:
                 continue
@@ -80,15 +93,29 @@ def log_plan(
 
 
 def log_measured(
-    writer: Any, timeline: MemoryTimeline, *, step: int = 0, budget_bytes: int | None = None, figures: bool = True
+    writer: Any,
+    timeline: MemoryTimeline,
+    *,
+    step: int = 0,
+    budget_bytes: int | None = None,
+    figures: bool = True,
+    plan: Plan | None = None,
 ) -> None:
-    """Write a measured step: ``measured_peak_gib`` and, with ``figures``, its stacked memory timeline."""
+    """Write a measured step at ``step``, one point of the ``measured_peak_gib`` series per measured step.
+
+    Beside it, at the same step, ``budget_gib`` (from ``plan`` or ``budget_bytes``) and, with ``plan``,
+    ``predicted_peak_gib``; the text ``measured`` with the three numbers; with ``figures``, the stacked memory
+    timeline.
+    """
     _layout(writer)
     writer.add_scalar(f"{TAG}/measured_peak_gib", timeline.peak_bytes / _GIB, step)
+    budget = plan.budget_bytes if plan is not None else budget_bytes
+    _log_lines(writer, step, budget, plan.predicted_peak_bytes if plan is not None else None)
+    writer.add_text(f"{TAG}/measured", measured_markdown(timeline.peak_bytes, step, plan, budget), step)
     if figures and _have_matplotlib():
         from lightning_sac.report.figures import measured_timeline_figure
 
-        writer.add_figure(f"{TAG}/measured_timeline", measured_timeline_figure(timeline, budget_bytes), step)
+        writer.add_figure(f"{TAG}/measured_timeline", measured_timeline_figure(timeline, budget), step)
     writer.flush()
 
 

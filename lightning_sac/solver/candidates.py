@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_sac.apply.recompute import recompute_transient, rerun_output_bytes
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
-from lightning_sac.recompute import recompute_transient, rerun_output_bytes
 from lightning_sac.solver.memory_model import activation_windows
 from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
 

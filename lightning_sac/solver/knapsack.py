@@ -6,8 +6,8 @@ import math
 
 import highspy
 
+from lightning_sac.apply.recompute import recompute_costs
 from lightning_sac.profiling.data import ModuleOpStats
-from lightning_sac.recompute import recompute_costs
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.tradeoff import effective_memory, module_tradeoff, recompute_units
 

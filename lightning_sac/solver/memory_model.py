@@ -13,18 +13,24 @@ optimizer state are divided by the world size when sharded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from lightning_sac.profiling.data import MemorySnapshot, ModelProfile, ModuleProfile
+from lightning_sac.sharding.memory import ShardedStep
+
+#: Bytes on one device at timeline index ``k`` given the unsharded snapshot there (see :func:`device_model`).
+OnDevice = Callable[..., int]
 
 __all__ = [
     "MemoryConstraint",
+    "OnDevice",
     "activation_windows",
     "backward_ends",
     "constant_floor",
     "ddp_bucket_bytes",
     "device_bytes",
+    "device_model",
     "memory_constraints",
     "peak_with_plan",
 ]
@@ -35,26 +41,49 @@ _SHARDED = ("parameter", "gradient", "optimizer_state")
 def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str, bucket_bytes: int = 0) -> int:
     """Bytes on one device: sharded training keeps 1/world_size of parameters, gradients and optimizer state.
 
-    Replicated training on more than one device adds ``bucket_bytes``: DDP's reducer keeps its gradient buckets
-    (one flat copy of the trainable gradients) from its construction on (:func:`ddp_bucket_bytes`).
+    Replicated training adds ``bucket_bytes``: DDP's reducer keeps its gradient buckets (one flat copy of the
+    trainable gradients) from its construction on (:func:`ddp_bucket_bytes`); pass 0 without DDP.
     """
     total = sum(snapshot.values())
     if sharding == "sharded" and world_size > 1:
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
-    if sharding == "replicated" and world_size > 1:
+    if sharding == "replicated":
         total += bucket_bytes
     return total
 
 
-def ddp_bucket_bytes(profile: ModelProfile) -> int:
+def ddp_bucket_bytes(profile: ModelProfile, world_size: int = 2) -> int:
     """Bytes of DDP's gradient buckets for this model: every trainable parameter's gradient, once.
 
     Measured on 2 gloo processes: a DDP step's peak is the single-process peak plus exactly these bytes, with
     ``gradient_as_bucket_view`` on or off (Lightning sets gradients to ``None``, so the views do not persist).
+    A replicated plan for more than one device runs under DDP; one for a single device only when the profile
+    says so (:attr:`ModelProfile.data_parallel`: Lightning's DDP strategy with one process still wraps the model).
     """
     root = profile.modules.get("")
-    return 0 if root is None else root.gradient_bytes
+    if root is None or not (world_size > 1 or profile.data_parallel):
+        return 0
+    return root.gradient_bytes
+
+
+def device_model(profile: ModelProfile, world_size: int = 1, sharding: str = "replicated") -> OnDevice:
+    """The bytes on one device at a moment of the step: ``on_device(k, snapshot, moment=False)``.
+
+    ``k`` is the timeline index and ``snapshot`` the unsharded profile's bytes there (the event's own with
+    ``moment=True``, which adds what exists only at the event, or its interval's peak). Replicated: the snapshot
+    plus DDP's buckets. Sharded with the model's FSDP units known (:attr:`ModelProfile.sharded`): what the
+    sharded memory model says (:class:`~lightning_sac.sharding.memory.ShardedStep`); sharded without them:
+    parameters, gradients and optimizer state divided by the world size.
+    """
+    if sharding == "sharded" and profile.sharded is not None:
+        return ShardedStep(profile, profile.sharded).bytes_at
+    bucket = ddp_bucket_bytes(profile, world_size)
+
+    def on_device(k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
+        return device_bytes(snapshot, world_size, sharding, bucket)
+
+    return on_device
 
 
 def _held(module: ModuleProfile) -> list[list[int]]:
@@ -134,17 +163,24 @@ def memory_constraints(
         sharding: ``"replicated"`` or ``"sharded"``.
     """
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
-    bucket = ddp_bucket_bytes(profile)
+    # Under FSDP with the model's units known, a rank holds what the sharded model says (lightning_sac.sharding).
+    fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
+    on_device = device_model(profile, world_size, sharding)
 
     ends = backward_ends(profile)
     holding = {j: _held(profile.modules[j]) for j in windows}
+    gathers = {j for j in windows if fsdp is not None and fsdp.units_inside(j)}
 
     def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
         # A checkpoint holds its inputs until its backward ends; those the plain step freed by now are extra.
+        # Under FSDP, a checkpoint of a module that contains units keeps them gathered after its recompute.
         kept = tuple(
             (j, b)
             for j in sorted(holding)
-            if at < ends.get(j, len(profile.timeline)) and (b := sum(n for d, n in holding[j] if d <= at))
+            if (
+                b := (sum(n for d, n in holding[j] if d <= at) if at < ends.get(j, len(profile.timeline)) else 0)
+                + (fsdp.recompute_gathers(j, at) if fsdp is not None and j in gathers else 0)
+            )
         )
         key = (absent, recompute, kept)
         worst[key] = max(worst.get(key, base), base)
@@ -153,11 +189,13 @@ def memory_constraints(
     for k, event in enumerate(timeline):
         snapshot = event.peak_after or event.at
         absent = frozenset(j for j, (end_fwd, begin_bwd) in windows.items() if end_fwd <= k < begin_bwd)
-        add(device_bytes(snapshot, world_size, sharding, bucket), absent, None, k)
+        add(on_device(k, snapshot), absent, None, k)
+        if fsdp is not None:  # what FSDP holds only at the event itself (an all-gather's flat buffer)
+            add(on_device(k, event.at, moment=True), absent, None, k)
     for j, (_, begin_bwd) in windows.items():
         at = timeline[begin_bwd].at
         absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
-        add(device_bytes(at, world_size, sharding, bucket), absent, j, begin_bwd)
+        add(on_device(begin_bwd, at, moment=True), absent, j, begin_bwd)
     return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
 
 

@@ -9,10 +9,7 @@ from typing import Any
 
 import highspy
 
-from lightning_sac.errors import BudgetError
-from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
-from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.recompute import (
+from lightning_sac.apply.recompute import (
     check_backend,
     fixed_overhead_ms,
     overhead_ms,
@@ -20,6 +17,9 @@ from lightning_sac.recompute import (
     recompute_transient,
     rerun_output_bytes,
 )
+from lightning_sac.errors import BudgetError
+from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
+from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.solver.candidates import (
     Candidate,
     excluded_reason,
@@ -34,8 +34,7 @@ from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
     constant_floor,
-    ddp_bucket_bytes,
-    device_bytes,
+    device_model,
     memory_constraints,
     peak_with_plan,
 )
@@ -242,7 +241,7 @@ def solve_plan(
     # The model as it runs without a plan: with its KV caches on, when the profile ran without them.
     plain = unconstrained
     if profile.kv_cache_peak is not None:
-        plain = device_bytes(profile.kv_cache_peak, world_size, sharding, ddp_bucket_bytes(profile))
+        plain = device_model(profile, world_size, sharding)(0, profile.kv_cache_peak)
     plan = Plan(
         budget_bytes=budget,
         world_size=world_size,
@@ -306,7 +305,12 @@ def solve_plan(
                 f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
                 f"{minimum / _GIB:.3f} GiB (the unconstrained peak is {plain / _GIB:.3f} GiB on "
                 f"{profile.device.name}, world size {world_size}, {sharding}). Raise the budget, use a smaller "
-                "batch or shorter sequences, shard parameters and optimizer state (sharding='sharded')"
+                "batch or shorter sequences, "
+                + (
+                    "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
+                    if sharding == "replicated"
+                    else f"shard them over more devices (world_size above {world_size})"
+                )
                 + more_candidates_hint(profile),
                 minimum_bytes=int(math.ceil(minimum)),
                 unconstrained_bytes=plain,

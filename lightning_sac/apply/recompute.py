@@ -1,0 +1,183 @@
+"""What backward really recomputes under a policy, per backend, from a module's op graph.
+
+A policy marks ops to recompute, but neither backend reruns all of them:
+
+* ``"sac"``: ``torch.utils.checkpoint`` reruns the module's forward in order, serving saved ops from its
+  cache, and stops (early stop, on by default) as soon as autograd has packed the last tensor the forward had
+  packed. Ops after that point never rerun, whatever the policy says.
+* ``"graph"``: :mod:`lightning_sac.apply.graph_ac` realizes only what backward unpacks, recursing through missing
+  ancestors; an op whose output neither backward nor a recomputed descendant reads is never rerun. A saved op
+  whose storage a later in-place op of the module overwrote counts as missing, as it does at run time.
+
+Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops``, ``op_inputs``,
+``mutated_later``). For a profile without them (an older version's), every op the policy recomputes counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Annotations only: the profiler imports this module, and lightning_sac.apply's package import must stay light.
+    from lightning_sac.profiling.data import ModuleOpStats
+
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "output_op",
+    "recompute_transient",
+    "rerun_output_bytes",
+    "fixed_overhead_ms",
+    "overhead_ms",
+    "recompute_costs",
+    "recompute_ms",
+    "recomputed_ops",
+]
+
+#: The ways a plan can be applied (see :func:`lightning_sac.apply_plan`).
+BACKENDS: tuple[str, ...] = ("sac", "graph")
+
+
+def check_backend(backend: str) -> None:
+    """Raise a ``ValueError`` naming the choices when ``backend`` is not one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+
+
+def _stop(stats: ModuleOpStats) -> int:
+    # How many ops a SAC recompute reruns; all of them when the profile does not say.
+    return len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
+
+
+def recompute_costs(stats: ModuleOpStats) -> list[float]:
+    """What recomputing each op costs the ``"sac"`` backend, ms: its runtime, or 0 past the early stop.
+
+    The cost is additive over ops, so the trade-off curves and the op knapsack use it as is. It bounds the
+    graph backend's cost from above: everything graph recomputes precedes the last pack.
+    """
+    stop = _stop(stats)
+    return [t if i < stop else 0.0 for i, t in enumerate(stats.runtimes)]
+
+
+def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> list[int]:
+    """Indices of the ops one backward reruns when the module runs under ``policy`` (1 = save, 0 = recompute).
+
+    Raises:
+        ValueError: ``policy`` does not have one entry per op, or an unknown ``backend``.
+    """
+    check_backend(backend)
+    n = len(stats.func_names)
+    if len(policy) != n:
+        raise ValueError(f"The policy has {len(policy)} decisions for a module of {n} ops; it must have one per op.")
+    if backend == "sac" or stats.recompute_stop is None:
+        return [i for i in range(_stop(stats)) if not policy[i]]
+    # An op that writes in place to a tensor from outside the module, or writes state it does not return, is
+    # always kept (running it twice would write twice), and a kept op later overwritten in place is missing again.
+    kept = {i for i in range(n) if policy[i]} | {i for i, parent in stats.inplace_ops if parent == i}
+    # A stateful op's outputs are served as saved even when one of them is overwritten later (BatchNorm's output
+    # by an in-place ReLU): graph AC tracks staleness per output, and backward needs only its statistics.
+    fresh = (kept - set(stats.mutated_later)) | set(stats.stateful_ops)
+    rerun: set[int] = set()
+    todo = [i for i in stats.packed_ops if i not in fresh]
+    while todo:
+        i = todo.pop()
+        if i in rerun:
+            continue
+        rerun.add(i)
+        todo.extend(j for j in stats.op_inputs[i] if j not in fresh and j not in rerun)
+    return sorted(rerun)
+
+
+def output_op(stats: ModuleOpStats) -> int | None:
+    """Index of the module's output op (``None``: no such op).
+
+    The last op that made a storage of the module's output, as the profile says; for an older profile, the last
+    op that is neither a view nor in place.
+    """
+    if stats.output_ops:
+        return stats.output_ops[-1]
+    skip = set(stats.view_like_ops) | {op for op, _ in stats.inplace_ops}
+    return next((i for i in range(len(stats.func_names) - 1, -1, -1) if i not in skip), None)
+
+
+def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int:
+    """Bytes of a second copy of the module's output that one backward's recompute allocates.
+
+    SAC reruns the module's code up to its early stop, which usually lies after the output op (the op that last
+    packs a tensor is the output's own matmul): a recomputed output op then makes a new output beside the one the
+    forward returned, alive until the recompute stops. The graph backend reruns only ancestors of packed tensors.
+    With ``policy`` ``None``, the output op counts as recomputed (the bound the solver plans with).
+    """
+    check_backend(backend)
+    i = output_op(stats)
+    if backend != "sac" or i is None or i >= _stop(stats) or (policy is not None and policy[i]):
+        return 0
+    return stats.memory[i]
+
+
+def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int | None:
+    """Bytes a recompute of the module holds at once besides the activations it brings back, or ``None``.
+
+    The temporaries of the ops it reruns (outputs its forward made and freed again, alive for the same span as in
+    the forward: the rerun is the same code) and a second copy of the module's output
+    (:func:`rerun_output_bytes`). With ``policy`` ``None`` every op counts as rerun (a bound). The SAC count,
+    an upper bound for the graph backend (which frees each node's cache at its last consumer). ``None`` for a
+    profile without op lifetimes.
+    """
+    if len(stats.freed_at) != len(stats.func_names):
+        return None
+    events: list[tuple[int, int]] = []
+    for i in range(_stop(stats)):
+        end = stats.freed_at[i]
+        if end >= 0 and stats.memory[i] and (policy is None or not policy[i]):
+            events += [(i, stats.memory[i]), (end, -stats.memory[i])]
+    alive = peak = 0
+    for _, delta in sorted(events):  # at one index, frees (negative) first
+        alive += delta
+        peak = max(peak, alive)
+    return peak + rerun_output_bytes(stats, policy, backend)
+
+
+def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:
+    """Runtime of :func:`recomputed_ops`, ms: what the policy adds to one backward on ``backend``."""
+    return sum(stats.runtimes[i] for i in recomputed_ops(stats, policy, backend))
+
+
+def fixed_overhead_ms(
+    stats: ModuleOpStats, backend: str, per_op_us: Sequence[float], measured: Sequence[float] | None = None
+) -> float:
+    """The backend's host time for wrapping the module whatever its policy, ms.
+
+    ``measured`` is the module's ``[fixed_ms, recompute_factor]`` from
+    :attr:`ModuleProfile.measured_overhead`; when given, its ``fixed_ms`` is the answer. Otherwise it is
+    estimated from ``per_op_us``, ``[forward_us, rerun_us]`` from :attr:`ModelProfile.backend_overhead_us`:
+    every op of the forward pays ``forward_us``, and SAC also reruns every op up to its early stop.
+    """
+    check_backend(backend)
+    if measured:
+        return measured[0]
+    forward_us, rerun_us = per_op_us
+    rerun = _stop(stats) * rerun_us if backend == "sac" else 0.0
+    return (len(stats.func_names) * forward_us + rerun) / 1e3
+
+
+def overhead_ms(
+    stats: ModuleOpStats,
+    policy: Sequence[int],
+    backend: str,
+    per_op_us: Sequence[float],
+    measured: Sequence[float] | None = None,
+) -> float:
+    """The backend's host time for the module under ``policy``, besides :func:`recompute_ms`, ms.
+
+    With ``measured`` (``[fixed_ms, recompute_factor]``), ``fixed_ms`` and the share of the recompute that the
+    module's real rerun took beyond the profile's op times: ``(recompute_factor - 1) * recompute_ms``.
+    Otherwise :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
+    """
+    fixed = fixed_overhead_ms(stats, backend, per_op_us, measured)
+    if measured:
+        return fixed + (measured[1] - 1.0) * recompute_ms(stats, policy, backend)
+    if backend == "sac":
+        return fixed
+    return fixed + len(recomputed_ops(stats, policy, backend)) * per_op_us[1] / 1e3

@@ -1,0 +1,184 @@
+"""The device table's data: datasheet figures of common training and inference GPUs, and driver names.
+
+:mod:`lightning_sac.devices` turns these figures into :class:`~lightning_sac.devices.DeviceSpec` entries
+(:data:`~lightning_sac.devices.DEVICE_SPECS`) and matches driver-reported names with :data:`DRIVER_NAME_PATTERNS`.
+Adding a GPU is one :class:`Datasheet` here, with the source of its figures in a comment, and, when the driver
+calls it something the patterns miss, one pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "CPU_DRAM_GBPS",
+    "CPU_TFLOPS",
+    "CUDA_ALLOCATOR_ROUNDING",
+    "DRIVER_NAME_PATTERNS",
+    "FALLBACK_CUDA_ENTRY",
+    "FP64_FALLBACK_RATIO",
+    "GPU_DATASHEETS",
+    "Datasheet",
+]
+
+#: The CUDA and HIP caching allocators round every block up to a multiple of 512 bytes.
+CUDA_ALLOCATOR_ROUNDING = 512
+
+#: NVIDIA parts whose datasheets omit FP64 (GA10x, AD10x) run it at 1/64 of the FP32 rate.
+FP64_FALLBACK_RATIO = 64.0
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """One GPU's published figures.
+
+    Attributes:
+        name: The table entry's canonical name.
+        memory_gib: Device memory, GiB.
+        tflops: Dense peak TFLOP/s per arithmetic (keys as :attr:`~lightning_sac.devices.DeviceSpec.tflops`).
+        dram_gbps: DRAM bandwidth, GB/s.
+    """
+
+    name: str
+    memory_gib: float
+    tflops: Mapping[str, float]
+    dram_gbps: float
+
+
+# Conventions for every GPU entry:
+# * Memory is the datasheet capacity. Vendors write "GB", but HBM/GDDR capacities are binary, so the
+#   number is taken as GiB; the driver exposes slightly less (detect_device() uses the real figure).
+# * Sparse "with sparsity" tensor figures are halved to dense; FP32/FP64 are never sparse figures.
+# * "fp64" is the FP64 Tensor Core / matrix-core figure where one exists: cuBLAS and rocBLAS use it for
+#   DGEMM without any opt-in (unlike TF32), so it is what a default float64 matmul can reach.
+# * "fp16" is the rate with FP32 accumulation, which is what torch's fp16 GEMMs use.
+# * "fp64" is omitted where the datasheet omits it; peak_tflops() then uses fp32 / 64.
+GPU_DATASHEETS: tuple[Datasheet, ...] = (
+    # NVIDIA A100 Tensor Core GPU datasheet, "A100 40GB SXM" column.
+    Datasheet(
+        "A100-40GB",
+        memory_gib=40,
+        tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
+        dram_gbps=1555,
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM" column (HBM2e).
+    Datasheet(
+        "A100-80GB",
+        memory_gib=80,
+        tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
+        dram_gbps=2039,
+    ),
+    # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column; dense tensor figures as printed in the
+    # NVIDIA H100 Tensor Core GPU Architecture whitepaper. FP64 non-tensor is 34.
+    Datasheet(
+        "H100-SXM",
+        memory_gib=80,
+        tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+        dram_gbps=3350,
+    ),
+    # NVIDIA H100 Tensor Core GPU Architecture whitepaper, "H100 PCIe" column (the datasheet rounds
+    # these to 51 / 756* / 1513* / 3026* with sparsity). FP64 non-tensor is 25.6.
+    Datasheet(
+        "H100-PCIe",
+        memory_gib=80,
+        tflops={"fp64": 51.2, "fp32": 51.2, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513},
+        dram_gbps=2000,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM" column: H100 SXM compute, 141 GB HBM3e.
+    Datasheet(
+        "H200",
+        memory_gib=141,
+        tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+        dram_gbps=4800,
+    ),
+    # NVIDIA DGX B200 / HGX B200 datasheets, 8-GPU totals divided by 8 (1,440 GB, 64 TB/s; FP32 600,
+    # FP64 296, TF32 18 P*, BF16/FP16 36 P*, FP8 72 P* with sparsity). Early announcements said 192 GB.
+    Datasheet(
+        "B200",
+        memory_gib=180,
+        tflops={"fp64": 37, "fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
+        dram_gbps=8000,
+    ),
+    # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure published).
+    Datasheet(
+        "L4",
+        memory_gib=24,
+        tflops={"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
+        dram_gbps=300,
+    ),
+    # NVIDIA L40S datasheet (dense | sparse printed side by side; no FP64 figure published).
+    Datasheet(
+        "L40S",
+        memory_gib=48,
+        tflops={"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
+        dram_gbps=864,
+    ),
+    # NVIDIA A10 Tensor Core GPU datasheet. The A10G is AWS's variant of this GA102 part (G5 instances)
+    # with no public NVIDIA datasheet; AWS lists the same 24 GB / 600 GB/s, clocks are within ~1%.
+    Datasheet(
+        "A10G",
+        memory_gib=24,
+        tflops={"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125},
+        dram_gbps=600,
+    ),
+    # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix table, GeForce RTX 4090. GeForce runs
+    # FP16/BF16 (and FP8) tensor math with FP32 accumulation at half the FP16-accumulate rate, so these
+    # are 165.2 (not 330.3) and 330.3 (not 660.6).
+    Datasheet(
+        "RTX-4090",
+        memory_gib=24,
+        tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
+        dram_gbps=1008,
+    ),
+    # NVIDIA Tesla V100 GPU datasheet, "V100 SXM2" column, 32 GB model. No TF32, BF16 or FP8;
+    # "fp16" is the 125 TFLOPS "Tensor Performance" figure.
+    Datasheet(
+        "V100",
+        memory_gib=32,
+        tflops={"fp64": 7.8, "fp32": 15.7, "fp16": 125},
+        dram_gbps=900,
+    ),
+    # AMD Instinct MI300X accelerator datasheet (FP64 matrix 163.4, vector 81.7; dense figures, the
+    # sparse ones are printed separately).
+    Datasheet(
+        "MI300X",
+        memory_gib=192,
+        tflops={
+            "fp64": 163.4,
+            "fp32": 163.4,
+            "tf32": 653.7,
+            "bf16": 1307.4,
+            "fp16": 1307.4,
+            "fp8": 2614.9,
+        },
+        dram_gbps=5300,
+    ),
+)
+
+# Not a datasheet: modest figures for a few-core x86 server (AVX2/AVX-512 FMA on ~4 cores, one or two DDR4
+# channels), so that plans made on a laptop or CI runner are not wildly optimistic. torch runs bf16 matmuls on
+# CPU at about the fp32 rate unless AMX is present. The "cpu" entry's memory is this machine's physical RAM.
+CPU_TFLOPS: Mapping[str, float] = {"fp64": 0.1, "fp32": 0.2, "bf16": 0.2}
+CPU_DRAM_GBPS = 20.0
+
+#: Driver-reported names (``torch.cuda.get_device_properties(...).name``) to table entries, as (regular
+#: expression, entry), tried in order, ignoring case: the more specific pattern first wherever one name contains
+#: another (H100 PCIe before H100, L40S before L4).
+DRIVER_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"\bH100\b.*\bPCIE\b", "H100-PCIe"),
+    (r"\bH100\b", "H100-SXM"),  # "NVIDIA H100 80GB HBM3"; also H100 NVL, whose compute is close.
+    (r"\bG?H200\b", "H200"),  # GH200's GPU is an H100/H200-class Hopper with HBM3/HBM3e.
+    (r"\bG?B200\b", "B200"),
+    (r"\bA100\b.*\b80\s*GB\b", "A100-80GB"),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
+    (r"\bA100\b", "A100-40GB"),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
+    (r"\bL40S\b", "L40S"),
+    (r"\bL4\b", "L4"),
+    (r"\bA10G?\b", "A10G"),  # the plain A10 has the same datasheet figures
+    (r"\bRTX\s*4090\b", "RTX-4090"),
+    (r"\bV100\b", "V100"),
+    (r"\bMI300X\b", "MI300X"),
+)
+
+#: The entry whose figures a CUDA device matching no pattern gets (its compute-to-bandwidth ratio is mid-table).
+FALLBACK_CUDA_ENTRY = "A100-40GB"

@@ -1,0 +1,165 @@
+"""What one rank holds at each moment of a sharded (FSDP) step, from the unsharded profile and the units.
+
+The dry run profiles the model unsharded (:mod:`lightning_sac.sharding.unsharded`); its timeline gives, at every
+module boundary, the activations, temporaries and inputs, which sharding does not change. Parameters, gradients
+and optimizer state are replaced by what FSDP keeps on one rank:
+
+- every unit's parameter shard, always; its gathered parameters from the moment they are all-gathered (its
+  forward, or the forward of the unit that prefetches it) until its forward ends, or until its backward ends
+  when it does not reshard after forward (the root, by default); again from its backward (or from the backward
+  of the unit before it in backward order, which prefetches it by default) until its backward ends;
+- FSDP2's flat all-gather buffer at the moment it gathers a unit (it copies the parameters out, then frees it);
+- gradients: outside backward, every unit's gradient shard (Lightning sets gradients to ``None`` just before
+  backward, so during backward only the units done so far have theirs); during a unit's backward its unsharded
+  gradients, and at its end a second copy of them, the reduce-scatter's input;
+- optimizer state divided as the parameters are.
+
+A checkpointed module that contains units gathers them again for its recompute, at the start of its backward,
+and they stay gathered until each one's own backward ends (FSDP does not reshard after a recompute's forward):
+:meth:`ShardedStep.recompute_gathers` is that extra, counted only when the module is checkpointed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
+from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
+
+__all__ = ["ShardedStep"]
+
+
+def _inside(fqn: str, outer: str) -> bool:
+    return outer == "" or fqn == outer or fqn.startswith(outer + ".")
+
+
+@dataclass
+class ShardedStep:
+    """The sharded memory model of one profiled step (see the module docstring).
+
+    Args:
+        profile: The unsharded profile, with its timeline.
+        layout: The model's FSDP units.
+    """
+
+    profile: ModelProfile
+    layout: ShardedLayout
+    _gathered: list[list[tuple[int, int]]] = field(init=False, repr=False)  # per unit: [start, end] intervals
+    _starts: dict[int, int] = field(init=False, repr=False)  # timeline index -> all-gather buffer bytes there
+    _bwd: list[tuple[int, int]] = field(init=False, repr=False)  # per unit: its backward's [start, end]
+    _phase: list[str] = field(init=False, repr=False)  # per timeline index, the step's phase
+    _first: dict[tuple[str, str], int] = field(init=False, repr=False)  # (kind, name) -> first timeline index
+
+    def __post_init__(self) -> None:
+        timeline = self.profile.timeline
+        last = len(timeline) - 1
+        first: dict[tuple[str, str], int] = {}
+        phase, self._phase = "", []
+        for k, e in enumerate(timeline):
+            first.setdefault((e.kind, e.name), k)
+            phase = e.name if e.kind == "phase" else phase
+            self._phase.append(phase)
+        self._first = first
+        fwd_begin = first.get(("phase", "forward"), 0)
+        bwd_begin = first.get(("phase", "backward"), last)
+        bwd_end = first.get(("phase", "optimizer"), last)
+        units = self.layout.units
+        spans = []
+        for u in units:
+            # A unit whose forward is not a module call of the step (FSDP1's root wraps the LightningModule,
+            # whose training_step runs instead) is gathered for the whole forward and backward.
+            spans.append(
+                (
+                    first.get(("fwd_pre", u.fqn), fwd_begin),
+                    first.get(("fwd_post", u.fqn), bwd_begin),
+                    first.get(("bwd_pre", u.fqn), bwd_begin),
+                    first.get(("bwd_post", u.fqn), bwd_end),
+                )
+            )
+        self._bwd = [(s[2], s[3]) for s in spans]
+        fqns = {u.fqn: i for i, u in enumerate(units)}
+        # FSDP's default backward prefetch: a unit's backward gathers the unit whose forward ended just before
+        # its own (FSDP2), or began just before its own (FSDP1's BACKWARD_PRE).
+        by = 1 if self.layout.kind == "fsdp2" else 0
+        order = sorted(range(len(units)), key=lambda i: spans[i][by])
+        self._gathered, self._starts = [], {}
+        for i, u in enumerate(units):
+            fwd_pre, fwd_post, bwd_pre, bwd_post = spans[i]
+            fwd_start = min([fwd_pre] + [spans[fqns[p.fqn]][0] for p in units if u.fqn in p.forward_prefetch])
+            bwd_start = bwd_pre
+            if u.backward_prefetch is None:  # FSDP's default: the unit after it in that order gathers it
+                rank = order.index(i)
+                if rank + 1 < len(order):
+                    bwd_start = min(bwd_start, spans[order[rank + 1]][2])
+            else:
+                prefetchers = [spans[fqns[p.fqn]][2] for p in units if u.fqn in (p.backward_prefetch or [])]
+                bwd_start = min([bwd_start, *prefetchers])
+            if u.reshard_after_forward:
+                intervals = [(fwd_start, fwd_post), (bwd_start, bwd_post)]
+            else:
+                intervals = [(fwd_start, bwd_post)]
+            self._gathered.append(intervals)
+            for start, _ in intervals:
+                self._starts[start] = self._starts.get(start, 0) + u.buffer_bytes
+
+    # ------------------------------------------------------------------ per moment
+    def is_gathered(self, i: int, k: int) -> bool:
+        """Whether unit ``i``'s parameters are gathered at timeline index ``k`` without any checkpointing."""
+        return any(a <= k <= b for a, b in self._gathered[i])
+
+    def _gradients(self, k: int, snapshot: MemorySnapshot) -> int:
+        units = self.layout.units
+        if self._phase[k] != "backward":
+            return sum(u.grad_shard_bytes for u in units) if snapshot.get("gradient", 0) > 0 else 0
+        total = 0
+        for u, (start, end) in zip(units, self._bwd, strict=True):
+            if end < k:
+                total += u.grad_shard_bytes
+            elif start <= k:
+                scatter = u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
+                total += u.grad_bytes + (scatter if k == end else 0)  # at its end, the reduce-scatter's input
+        return total
+
+    def bytes_at(self, k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
+        """Bytes on one rank at timeline index ``k`` whose unsharded snapshot is ``snapshot``.
+
+        Args:
+            k: Timeline index.
+            snapshot: The unsharded profile's bytes by category there (at the event, or its interval's peak).
+            moment: ``snapshot`` is the event's own (``at``): add what FSDP holds only at that moment (the
+                all-gather buffer of the units gathered there).
+        """
+        units = self.layout.units
+        param_bytes = sum(u.param_bytes for u in units)
+        profiled = snapshot.get("parameter", 0)
+        unmanaged = max(profiled - param_bytes, 0)
+        shards = sum(u.shard_bytes for u in units)
+        # The optimizer's state is made from the shards. The profile's state is of its parameters, which are in
+        # the compute dtype when FSDP1's mixed precision computes on cast parameters.
+        ratio = shards / min(profiled, param_bytes) if profiled and param_bytes else 1.0
+        other = sum(v for c, v in snapshot.items() if c not in ("parameter", "gradient", "optimizer_state"))
+        gathered = sum(u.gathered_bytes for i, u in enumerate(units) if self.is_gathered(i, k))
+        optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
+        total = other + unmanaged + shards + gathered + optimizer + self._gradients(k, snapshot)
+        return total + (self._starts.get(k, 0) if moment else 0)
+
+    def recompute_gathers(self, fqn: str, k: int) -> int:
+        """Bytes a checkpoint of ``fqn`` gathers at timeline index ``k`` that the step without it does not.
+
+        Units inside ``fqn`` (not ``fqn`` itself) are gathered by its recompute, from its backward's start until
+        their own backward ends.
+        """
+        start = self._first.get(("bwd_pre", fqn))
+        if start is None or k < start:
+            return 0
+        extra = 0
+        for i, u in enumerate(self.layout.units):
+            if u.fqn == fqn or not _inside(u.fqn, fqn):
+                continue
+            if k <= self._bwd[i][1] and not self.is_gathered(i, k):
+                extra += u.gathered_bytes
+        return extra
+
+    def units_inside(self, fqn: str) -> list[FSDPUnit]:
+        """The units strictly inside module ``fqn``."""
+        return [u for u in self.layout.units if u.fqn != fqn and _inside(u.fqn, fqn)]

@@ -1,0 +1,149 @@
+"""The unsharded fake copy of a sharded model: what the dry run profiles under FSDP2 and FSDP1.
+
+The dry run must see the model's own compute on parameters of their global shapes, without FSDP: its
+collectives need the other ranks, and its gathers, frees and reduce-scatters are the sharded memory model's
+business (:mod:`lightning_sac.sharding.memory`), not the recorder's. So the copy is of the modules as they were
+before sharding: FSDP2's ``FSDP<Class>`` modules become their own class again without FSDP's hooks and state,
+FSDP1's wrappers are replaced by the modules they wrap, and every parameter (a ``DTensor`` shard, or a view into
+FSDP1's flat parameter) becomes a fake tensor of its global shape and dtype. The user's model is never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sac.errors import ProfilingError
+
+__all__ = ["unsharded_memo"]
+
+_STATE_KEY_PREFIX = "__composable_api_state_key"
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    owner = getattr(hook, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
+
+
+def _own_class(module: nn.Module) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
+
+
+def _stripped_fsdp2(module: nn.Module) -> nn.Module:
+    """A shallow stand-in for an FSDP2 module: its own class, its dict without FSDP's state and hooks."""
+    proxy: nn.Module = object.__new__(_own_class(module))
+    state = {k: v for k, v in module.__dict__.items() if not k.startswith(_STATE_KEY_PREFIX)}
+    fsdp_hooks = {k for k, h in module._forward_pre_hooks.items() if _is_fsdp_hook(h)}
+    fsdp_hooks |= {k for k, h in module._forward_hooks.items() if _is_fsdp_hook(h)}
+    for name in _HOOK_DICTS:
+        hooks = state[name]
+        if isinstance(hooks, OrderedDict):
+            state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in fsdp_hooks)
+        else:  # a set of hook ids
+            state[name] = type(hooks)(k for k in hooks if k not in fsdp_hooks)
+    for key in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+        state.pop(key, None)
+    proxy.__dict__.update(state)
+    return proxy
+
+
+def _fsdp1_global_params(outer: nn.Module) -> dict[int, tuple[torch.Size, torch.dtype, bool]]:
+    """Per FSDP1 original parameter (a view into its flat parameter), its global shape, dtype and requires_grad.
+
+    The dtype is the one FSDP1 computes in: its mixed precision's ``param_dtype`` when set (FSDP1 gathers cast
+    copies and the step computes on them, without autocast: Lightning's ``FSDPPrecision`` autocasts only CUDA).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    shapes: dict[int, tuple[torch.Size, torch.dtype, bool]] = {}
+    for m in outer.modules():
+        if not isinstance(m, FullyShardedDataParallel) or m._handle is None:
+            continue
+        flat = m._handle.flat_param
+        if not m._handle._use_orig_params:
+            raise ProfilingError(
+                "AutoSAC profiles FSDP1 models with use_orig_params=True (Lightning's FSDPStrategy default); this "
+                "model was wrapped with use_orig_params=False. Pass FSDPStrategy(use_orig_params=True)."
+            )
+        mp = m.mixed_precision
+        dtype = (mp.param_dtype if mp is not None else None) or flat.dtype
+        for info, shape in zip(flat._param_infos, flat._shapes, strict=True):
+            shapes[id(getattr(info.module, info.param_name))] = (shape, dtype, flat.requires_grad)
+        for shared in flat._shared_param_infos:
+            param = getattr(shared.module, shared.param_name)
+            prim = getattr(shared.prim_module, shared.prim_param_name)
+            if id(prim) in shapes:
+                shapes[id(param)] = shapes[id(prim)]
+    return shapes
+
+
+def unsharded_memo(
+    model: nn.Module,
+    outer: nn.Module | None,
+    make_fake: Callable[[torch.Size, tuple[int, ...], torch.dtype], torch.Tensor],
+    memo: dict[int, Any],
+) -> None:
+    """Fill ``memo`` (a ``copy.deepcopy`` memo holding the parameters' fakes) so that copying ``model`` unshards it.
+
+    Args:
+        model: The model (whose submodules may be FSDP units).
+        outer: An FSDP1 wrapper around ``model`` itself (Lightning's ``trainer.strategy.model``), if any.
+        make_fake: Makes a fake tensor of a shape, stride and dtype.
+        memo: The memo; parameters of global shapes, and the copies of FSDP modules, are added.
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    scope = outer if outer is not None else model
+    flat_shapes = _fsdp1_global_params(scope)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            fake = make_fake(p.shape, _contiguous(p.shape), p.dtype)
+            memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+        elif id(p) in flat_shapes:
+            shape, dtype, grad = flat_shapes[id(p)]
+            memo[id(p)] = nn.Parameter(make_fake(shape, _contiguous(shape), dtype), requires_grad=grad)
+    # FSDP1's mixed precision keeps floating buffers in its buffer_dtype.
+    buffer_dtype = _fsdp1_buffer_dtype(scope)
+    if buffer_dtype is not None:
+        for b in model.buffers():
+            if b.is_floating_point():
+                memo[id(b)] = make_fake(b.shape, _contiguous(b.shape), buffer_dtype)
+    # Children before parents: a parent's copy finds its sharded children already copied in the memo.
+    for m in reversed(list(model.modules())):
+        if isinstance(m, FSDPModule):
+            memo[id(m)] = copy.deepcopy(_stripped_fsdp2(m), memo)
+        elif isinstance(m, FullyShardedDataParallel):
+            memo[id(m)] = copy.deepcopy(m._fsdp_wrapped_module, memo)
+
+
+def _fsdp1_buffer_dtype(outer: nn.Module) -> torch.dtype | None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for m in outer.modules():
+        if isinstance(m, FullyShardedDataParallel):  # the root's policy casts the model's buffers
+            mp = m.mixed_precision
+            return None if mp is None else mp.buffer_dtype
+    return None
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,240 @@
+"""Fits of the strategy x precision x world-size matrix: plain, then AutoSAC at 80% of the plain per-rank peak.
+
+Every rank of a cell is a process this harness starts itself (``torch.multiprocessing.spawn``, gloo), with the
+environment Lightning reads for processes created outside it (``LOCAL_RANK``, ``WORLD_SIZE``, ...), so the same
+processes run the plain fit and the planned one. The model is a Hugging Face Llama decoder (tiny config) in the
+usual LightningModule; under FSDP2 ``configure_model`` shards each decoder layer and then the model with
+``fully_shard``, under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
+from :class:`fit_harness.BatchPeaks` (torch.profiler, started after sharding), independently of AutoSAC.
+
+Lightning refuses ``FSDPStrategy`` on CPU (``type(strategy) is FSDPStrategy`` and a CPU accelerator) and FSDP1
+itself needs ``device_id`` on CPU; :class:`CPUFSDPStrategy` passes ``device_id=cpu`` and, being a subclass, is
+not refused. Nothing else differs from what ``FSDPStrategy`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fit_harness import BatchPeaks
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.utils.data import DataLoader
+from zoo import lm_batch
+
+from lightning_sac import AutoSAC
+
+__all__ = ["CPUFSDPStrategy", "CellResult", "LlamaModule", "run_cells"]
+
+STEPS = 2  # the plan is applied from the first step; the second has the previous step's gradients and optimizer state
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy with FSDP1's ``device_id`` set to the CPU (see the module docstring)."""
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        return model
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config).train()
+
+
+class LlamaModule(pl.LightningModule):
+    """``self.model(**batch).loss`` of a tiny Llama; FSDP2 shards it in ``configure_model`` when asked to."""
+
+    def __init__(self, fsdp2: bool, units: str = "layers") -> None:
+        super().__init__()
+        self.fsdp2 = fsdp2
+        self.units = units
+        self.model = _llama()
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if not self.fsdp2:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            if self.units == "sublayers":  # attention and MLP each a unit: a decoder layer contains two
+                fully_shard(layer.self_attn, mesh=mesh)
+                fully_shard(layer.mlp, mesh=mesh)
+            else:
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        batches = [lm_batch(128, batch=4, seq=128) for _ in range(STEPS)]
+        return DataLoader(batches, batch_size=None)
+
+
+def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
+    if name == "single":
+        return "auto"
+    if name == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    if name == "fsdp1":
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+        policy = {LlamaAttention, LlamaMLP} if units == "sublayers" else {LlamaDecoderLayer}
+        return CPUFSDPStrategy(auto_wrap_policy=policy, process_group_backend="gloo")
+    raise ValueError(name)
+
+
+def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str = "layers") -> LlamaModule:
+    pl.seed_everything(0)
+    module = LlamaModule(fsdp2=strategy == "fsdp2", units=units)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=_strategy(strategy, world_size, units),
+        precision=precision,  # type: ignore[arg-type]
+        max_steps=STEPS,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return module
+
+
+class _Calls(pl.Callback):
+    """How often each planned module ran, and how often it ran other ops than profiled (read before teardown)."""
+
+    def __init__(self, sac: AutoSAC) -> None:
+        self.sac = sac
+        self.seen: dict[str, list[int]] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        handle = self.sac._handle
+        wrappers = handle.wrappers if handle is not None else {}
+        self.seen = {f: [w.calls, w.mismatched_calls] for f, w in wrappers.items()}
+
+
+@dataclass
+class CellResult:
+    """One rank's side of a cell: both fits' batch peaks and losses, and AutoSAC's plan and prediction."""
+
+    rank: int
+    plain_peaks: list[int]
+    plain_losses: list[float]
+    budget_bytes: int
+    planned_peaks: list[int]
+    planned_losses: list[float]
+    decisions: dict[str, list[int]]
+    fingerprint: str
+    predicted_plain: int
+    predicted_peak: int
+    calls: dict[str, list[int]]  # per planned module: its calls, and those that ran other ops than profiled
+
+
+def _rank(rank: int, cell: tuple[str, tuple[str, ...], int, dict[str, Any]], port: int, out: str) -> None:
+    strategy, precisions, world_size, autosac = cell
+    autosac = dict(autosac)
+    units = autosac.pop("units", "layers")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    for precision in precisions:
+        plain_peaks = BatchPeaks(at_train_start=True)
+        plain = _fit(strategy, precision, world_size, [plain_peaks], units)
+        peak = torch.tensor(max(plain_peaks.peaks))
+        if world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        budget = int(0.8 * int(peak))
+        sac = AutoSAC(budget_gb=budget / 2**30, measure=False, log_figures=False, **autosac)
+        planned_peaks, calls = BatchPeaks(at_train_start=True), _Calls(sac)
+        planned = _fit(strategy, precision, world_size, [sac, planned_peaks, calls], units)
+        assert sac.plan is not None
+        result = CellResult(
+            rank=rank,
+            plain_peaks=plain_peaks.peaks,
+            plain_losses=plain.losses,
+            budget_bytes=sac.plan.budget_bytes,
+            planned_peaks=planned_peaks.peaks,
+            planned_losses=planned.losses,
+            decisions={f: list(d.op_policy) for f, d in sac.plan.decisions.items()},
+            fingerprint=sac.plan.fingerprint,
+            predicted_plain=sac.plan.unconstrained_peak_bytes,
+            predicted_peak=sac.plan.predicted_peak_bytes,
+            calls=calls.seen,
+        )
+        Path(out, f"{precision}_rank{rank}.json").write_text(json.dumps(asdict(result)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_cells(
+    strategy: str, world_size: int, precisions: tuple[str, ...], out: Path, **autosac: Any
+) -> dict[str, list[CellResult]]:
+    """Run a strategy's cells of one world size, each precision in turn, in the same ``world_size`` processes.
+
+    ``autosac`` are more arguments of AutoSAC (e.g. ``candidates``), and ``units="sublayers"`` shards each decoder
+    layer's attention and MLP as units instead of the layer.
+
+    Returns:
+        Per precision, every rank's result.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_rank, args=((strategy, precisions, world_size, autosac), _free_port(), str(out)), nprocs=world_size)
+    return {
+        p: [CellResult(**json.loads(Path(out, f"{p}_rank{r}.json").read_text())) for r in range(world_size)]
+        for p in precisions
+    }

@@ -1,0 +1,46 @@
+"""Issue "FSDP": a plan applies to the sharded model whether a planned module is an FSDP unit, inside one, or
+contains several, and holds op for op (FSDP's own gathers and casts in a checkpoint region are not counted).
+
+FSDP2 (``fully_shard`` per decoder layer, then the model) and FSDP1 (Lightning's ``FSDPStrategy`` wrapping each
+decoder layer) on 2 gloo processes; ``candidates`` restricts the plan to the modules under test. Each: the plan
+is non-empty and identical on both ranks, losses equal the plain fit's bit for bit, every planned call ran the
+profiled ops (no mismatch), and each rank's measured batch peaks stay within the budget + 2%.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from sharded_fits import run_cells
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+
+@pytest.mark.slow  # 2 processes, 15 to 20 s each
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("units", ["layers", "sublayers"], ids=["is-a-unit", "contains-two-units"])
+def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None:
+    # Decoder layers are the only candidates; they are the units, or each contains two (attention and MLP).
+    out = Path(tempfile.mkdtemp(prefix=f"fsdp_apply_{strategy}_{units}_"))
+    ranks = run_cells(strategy, 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)["32-true"]
+    first = ranks[0]
+    assert first.decisions
+    assert all(f.startswith("model.model.layers.") and f.count(".") == 3 for f in first.decisions)
+    for r in ranks:
+        assert (r.fingerprint, r.decisions) == (first.fingerprint, first.decisions)
+        assert r.planned_losses == r.plain_losses
+        assert r.calls and all(calls > 0 and mismatched == 0 for calls, mismatched in r.calls.values()), r.calls
+        assert max(r.planned_peaks) <= r.budget_bytes * 1.02, (r.rank, max(r.planned_peaks), r.budget_bytes)
+
+
+def test_tensor_parallelism_is_refused_with_what_to_pass() -> None:
+    from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+
+    from lightning_sac.callback_args import check_strategy
+
+    with pytest.raises(ValueError, match="tensor parallel size 2 .* tensor_parallel_size=1"):
+        check_strategy(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
+    check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))  # FSDP2: accepted
+    with pytest.raises(ValueError, match="got DeepSpeedStrategy"):
+        check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))

@@ -1,0 +1,41 @@
+"""torch.profiler's Kineto status lines stay off the console; every other line written meanwhile still shows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_sac.quiet import QuietProfile, filtered_native_stderr, is_profiler_chatter
+
+CHATTER = "USDT:2026-11-23 12:20:27 17888:17888 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+
+
+def test_only_the_status_lines_are_dropped(capfd):
+    with filtered_native_stderr():
+        os.write(2, CHATTER.encode())
+        os.write(2, b"a real warning from C++\n")
+        os.write(2, CHATTER.replace("USDT", "STAGE").encode())
+    assert capfd.readouterr().err == "a real warning from C++\n"
+    assert is_profiler_chatter(CHATTER) and not is_profiler_chatter("USDT probes are fine in prose\n")
+
+
+def test_quiet_profile_records_the_same_events_without_the_chatter(capfd):
+    def step() -> None:
+        torch.ones(1024).add_(1).sum()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as loud:
+        step()
+    printed = capfd.readouterr().err
+    if not any(map(is_profiler_chatter, printed.splitlines(keepends=True))):
+        pytest.skip("this torch's profiler prints no Kineto status lines")
+    with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as quiet:
+        step()
+    assert capfd.readouterr().err == ""
+
+    def allocations(prof: profile) -> list[int]:
+        return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+
+    assert allocations(quiet) == allocations(loud) and allocations(quiet)

@@ -1,0 +1,167 @@
+"""The sharded memory model (issue "FSDP"): FSDP units read from the model, and one rank's bytes by hand.
+
+The units come from a real ``fully_shard`` over a fake process group of 4 ranks (torch's ``fake`` backend: no
+other process, no communication), so their shard sizes are FSDP's own, padding included. The step's timeline is
+written by hand, so every expected byte count below is arithmetic on the numbers in this file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightning_sac.devices import get_device_spec
+from lightning_sac.profiling.data import ModelProfile, TimelineEvent
+from lightning_sac.sharding import FSDPUnit, ShardedLayout, sharded_layout
+from lightning_sac.sharding.memory import ShardedStep
+
+F32 = 4
+
+
+@pytest.fixture
+def four_ranks() -> Iterator[None]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def two_units() -> nn.Module:
+    """``a = Linear(6, 5)`` and ``b = Linear(5, 3)``, each its own FSDP unit (no root unit: no other params)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+
+def test_units_are_read_from_fully_shard_with_fsdp_padding(four_ranks: None) -> None:
+    model = two_units()
+    fully_shard(model[0])
+    fully_shard(model[1])
+    layout = sharded_layout(model)
+    assert layout is not None and layout.kind == "fsdp2" and layout.world_size == 4
+    a, b = layout.units
+    # a: weight 5x6 and bias 5 shard dim 0 over 4 ranks in chunks of ceil(5/4) = 2 rows, padded to 4 x 2 = 8 rows.
+    assert (a.fqn, a.shard_bytes, a.param_bytes, a.gathered_bytes) == ("0", (2 * 6 + 2) * F32, 35 * F32, 35 * F32)
+    assert a.buffer_bytes == 4 * (2 * 6 + 2) * F32  # the all-gather output: every rank's padded shard
+    assert (a.grad_bytes, a.grad_shard_bytes) == (35 * F32, (2 * 6 + 2) * F32)
+    # b: weight 3x5 and bias 3: chunks of 1 row.
+    assert (b.fqn, b.shard_bytes, b.param_bytes, b.buffer_bytes) == ("1", (5 + 1) * F32, 18 * F32, 4 * 6 * F32)
+    # Two sibling units are each a root of their own forward (FSDP2 makes the first unit called a root): a root
+    # keeps its parameters gathered from forward to backward.
+    assert not a.reshard_after_forward and not b.reshard_after_forward
+    assert a.backward_prefetch is None and a.forward_prefetch == []  # FSDP2's defaults
+
+
+def test_a_model_sharded_under_a_root_and_explicit_prefetch(four_ranks: None) -> None:
+    model = nn.Sequential(two_units(), nn.Linear(3, 2))
+    fully_shard(model[0][0])
+    fully_shard(model[0][1])
+    fully_shard(model)
+    model[0][0].set_modules_to_forward_prefetch([model[0][1]])
+    layout = sharded_layout(model)
+    assert layout is not None
+    by_fqn = {u.fqn: u for u in layout.units}
+    assert list(by_fqn) == ["", "0.0", "0.1"]
+    assert not by_fqn[""].reshard_after_forward  # the root
+    assert by_fqn["0.0"].reshard_after_forward and by_fqn["0.1"].reshard_after_forward
+    assert by_fqn["0.0"].forward_prefetch == ["0.1"]
+    assert by_fqn[""].shard_bytes == (1 * 3 + 1) * F32  # Linear(3, 2): 2 rows in chunks of 1
+
+
+# A hand-written step of the two units a ("0") and b ("1"): (kind, name, bytes by category at the event).
+A = FSDPUnit("0", 56, 140, 224, 140, 56, 140, reshard_after_forward=True)
+B = FSDPUnit("1", 24, 72, 96, 72, 24, 72, reshard_after_forward=True)
+P, OPT = 140 + 72, 2 * (140 + 72)  # parameters and AdamW's two states, unsharded
+EVENTS = [
+    ("phase", "forward", {"parameter": P, "gradient": P, "optimizer_state": OPT}),  # 0
+    ("fwd_pre", "0", {"parameter": P, "gradient": P, "optimizer_state": OPT}),  # 1
+    ("fwd_post", "0", {"parameter": P, "gradient": P, "optimizer_state": OPT, "activation": 100}),  # 2
+    ("fwd_pre", "1", {"parameter": P, "gradient": P, "optimizer_state": OPT, "activation": 100}),  # 3
+    ("fwd_post", "1", {"parameter": P, "gradient": P, "optimizer_state": OPT, "activation": 150}),  # 4
+    ("phase", "backward", {"parameter": P, "optimizer_state": OPT, "activation": 150}),  # 5
+    ("bwd_pre", "1", {"parameter": P, "optimizer_state": OPT, "activation": 150}),  # 6
+    ("bwd_post", "1", {"parameter": P, "gradient": 72, "optimizer_state": OPT, "activation": 120}),  # 7
+    ("bwd_pre", "0", {"parameter": P, "gradient": 72, "optimizer_state": OPT, "activation": 100}),  # 8
+    ("bwd_post", "0", {"parameter": P, "gradient": P, "optimizer_state": OPT}),  # 9
+    ("phase", "optimizer", {"parameter": P, "gradient": P, "optimizer_state": OPT}),  # 10
+]
+
+
+def step(*units: FSDPUnit) -> ShardedStep:
+    timeline = [TimelineEvent(kind=kind, name=name, at=dict(at), peak_after=dict(at)) for kind, name, at in EVENTS]
+    profile = ModelProfile(device=get_device_spec("cpu"), estimate="roofline", modules={}, timeline=timeline)
+    return ShardedStep(profile, ShardedLayout("fsdp2", 4, list(units)))
+
+
+def at(model: ShardedStep, k: int, moment: bool = False) -> int:
+    return model.bytes_at(k, dict(EVENTS[k][2]), moment=moment)
+
+
+SHARDS = 56 + 24
+OPT_SHARDS = round(OPT * SHARDS / P)  # AdamW's state is created from the shards: 2 x 80 = 160
+
+
+def test_bytes_at_each_moment_with_fsdp2_default_backward_prefetch() -> None:
+    fsdp = step(A, B)
+    assert OPT_SHARDS == 160
+    # Forward, in a's forward: a gathered (140), every gradient shard of the last step (56 + 24).
+    assert at(fsdp, 1) == SHARDS + 140 + OPT_SHARDS + (56 + 24)
+    # The moment a is gathered, FSDP2's flat all-gather buffer (224) exists besides its copied-out parameters.
+    assert at(fsdp, 1, moment=True) == at(fsdp, 1) + 224
+    # Between a's forward and b's: a resharded; activations 100.
+    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80  # fwd_post is inside a's gathered interval
+    assert at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80
+    # Backward begins with gradients set to None. b's backward starts: b gathered, and a prefetched with it
+    # (default: the unit whose forward ended just before b's is gathered when b's backward begins).
+    assert at(fsdp, 6) == 150 + SHARDS + 72 + 140 + OPT_SHARDS + 72  # b's unsharded gradients as it runs
+    assert at(fsdp, 6, moment=True) == at(fsdp, 6) + 96 + 224  # both all-gathers start here
+    # b's backward ends: its gradients and the reduce-scatter's input (72 + 72); a still gathered.
+    assert at(fsdp, 7) == 120 + SHARDS + 72 + 140 + OPT_SHARDS + 2 * 72
+    # a's backward: b's gradient shard (24) and a's unsharded gradients (140); b resharded.
+    assert at(fsdp, 8) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140
+    # The optimizer step: every gradient shard, nothing gathered.
+    assert at(fsdp, 10) == SHARDS + OPT_SHARDS + 80
+
+
+def test_bytes_at_each_moment_without_backward_prefetch() -> None:
+    fsdp = step(
+        FSDPUnit(**{**A.__dict__, "backward_prefetch": []}), FSDPUnit(**{**B.__dict__, "backward_prefetch": []})
+    )
+    # b's backward gathers b alone; a is gathered when its own backward begins.
+    assert at(fsdp, 6) == 150 + SHARDS + 72 + OPT_SHARDS + 72
+    assert at(fsdp, 6, moment=True) == at(fsdp, 6) + 96
+    assert at(fsdp, 7) == 120 + SHARDS + 72 + OPT_SHARDS + 2 * 72
+    assert at(fsdp, 8, moment=True) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224
+
+
+def test_explicit_forward_prefetch_gathers_the_next_unit_early() -> None:
+    fsdp = step(FSDPUnit(**{**A.__dict__, "forward_prefetch": ["1"]}), B)
+    # a's forward gathers b too: both gathered from event 1 on, both all-gathers at event 1.
+    assert at(fsdp, 1) == SHARDS + 140 + 72 + OPT_SHARDS + 80
+    assert at(fsdp, 1, moment=True) == at(fsdp, 1) + 224 + 96
+    assert at(fsdp, 3, moment=True) == at(fsdp, 3)  # b gathers nothing more when its forward begins
+
+
+def test_a_checkpoint_containing_units_keeps_them_gathered_after_its_recompute() -> None:
+    # A checkpoint of the whole model ("") recomputes a and b when its backward begins, before b's: FSDP does not
+    # reshard after a recompute, so each stays gathered until its own backward ends.
+    events = [TimelineEvent(kind=k, name=n, at=dict(a), peak_after=dict(a)) for k, n, a in EVENTS]
+    events.insert(6, TimelineEvent(kind="bwd_pre", name="", at=dict(EVENTS[5][2]), peak_after=dict(EVENTS[5][2])))
+    # Now: 6 the root's backward begins, 7 b's, 8 b's ends, 9 a's begins, 10 a's ends.
+    profile = ModelProfile(device=get_device_spec("cpu"), estimate="roofline", modules={}, timeline=events)
+    fsdp = ShardedStep(profile, ShardedLayout("fsdp2", 4, [A, B]))
+    assert fsdp.recompute_gathers("", 5) == 0  # before its backward
+    assert fsdp.recompute_gathers("", 6) == 140 + 72  # FSDP gathers neither yet; the recompute gathers both
+    assert fsdp.recompute_gathers("", 7) == 0  # b's backward gathers b, and prefetches a
+    unprefetched = ShardedStep(
+        profile, ShardedLayout("fsdp2", 4, [FSDPUnit(**{**u.__dict__, "backward_prefetch": []}) for u in (A, B)])
+    )
+    assert unprefetched.recompute_gathers("", 7) == unprefetched.recompute_gathers("", 8) == 140  # a, early
+    assert unprefetched.recompute_gathers("", 9) == 0  # a's own backward gathers it
+    assert unprefetched.recompute_gathers("1", 7) == 0  # a unit's own recompute gathers nothing more

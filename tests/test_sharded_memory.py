@@ -110,22 +110,24 @@ OPT_SHARDS = round(OPT * SHARDS / P)  # AdamW's state is created from the shards
 def test_bytes_at_each_moment_with_fsdp2_default_backward_prefetch() -> None:
     fsdp = step(A, B)
     assert OPT_SHARDS == 160
-    # Forward, in a's forward: a gathered (140), every gradient shard of the last step (56 + 24).
-    assert at(fsdp, 1) == SHARDS + 140 + OPT_SHARDS + (56 + 24)
-    # The moment a is gathered, FSDP2's flat all-gather buffer (224) exists besides its copied-out parameters.
-    assert at(fsdp, 1, moment=True) == at(fsdp, 1) + 224
-    # Between a's forward and b's: a resharded; activations 100.
-    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80  # fwd_post is inside a's gathered interval
-    assert at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80
+    # FSDP2 keeps a unit's flat all-gather buffer (a: 224, b: 96) until the next all-gather, and frees the last one
+    # when backward ends; at the moment of a gather the previous buffer is still alive beside the new one.
+    # Forward, in a's forward: a gathered (140), every gradient shard of the last step (56 + 24), a's buffer.
+    assert at(fsdp, 1) == at(fsdp, 1, moment=True) == SHARDS + 140 + OPT_SHARDS + 80 + 224
+    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80 + 224  # fwd_post is inside a's gathered interval
+    # b's forward: a resharded, b gathered; b's buffer replaces a's, which is alive at the moment b is gathered.
+    assert at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96
+    assert at(fsdp, 3, moment=True) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96 + 224
     # Backward begins with gradients set to None. b's backward starts: b gathered, and a prefetched with it
     # (default: the unit whose forward ended just before b's is gathered when b's backward begins).
-    assert at(fsdp, 6) == 150 + SHARDS + 72 + 140 + OPT_SHARDS + 72  # b's unsharded gradients as it runs
-    assert at(fsdp, 6, moment=True) == at(fsdp, 6) + 96 + 224  # both all-gathers start here
+    plain_6 = 150 + SHARDS + 72 + 140 + OPT_SHARDS + 72  # b's unsharded gradients as it runs
+    assert at(fsdp, 6) == plain_6 + 224  # the larger of the two buffers gathered here is counted as kept
+    assert at(fsdp, 6, moment=True) == plain_6 + 96 + 224 + 96  # both gathers, and b's buffer from its forward
     # b's backward ends: its gradients and the reduce-scatter's input (72 + 72); a still gathered.
-    assert at(fsdp, 7) == 120 + SHARDS + 72 + 140 + OPT_SHARDS + 2 * 72
+    assert at(fsdp, 7) == 120 + SHARDS + 72 + 140 + OPT_SHARDS + 2 * 72 + 224
     # a's backward: b's gradient shard (24) and a's unsharded gradients (140); b resharded.
-    assert at(fsdp, 8) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140
-    # The optimizer step: every gradient shard, nothing gathered.
+    assert at(fsdp, 8) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224
+    # The optimizer step: every gradient shard, nothing gathered, the last buffer freed.
     assert at(fsdp, 10) == SHARDS + OPT_SHARDS + 80
 
 
@@ -134,18 +136,18 @@ def test_bytes_at_each_moment_without_backward_prefetch() -> None:
         FSDPUnit(**{**A.__dict__, "backward_prefetch": []}), FSDPUnit(**{**B.__dict__, "backward_prefetch": []})
     )
     # b's backward gathers b alone; a is gathered when its own backward begins.
-    assert at(fsdp, 6) == 150 + SHARDS + 72 + OPT_SHARDS + 72
-    assert at(fsdp, 6, moment=True) == at(fsdp, 6) + 96
-    assert at(fsdp, 7) == 120 + SHARDS + 72 + OPT_SHARDS + 2 * 72
-    assert at(fsdp, 8, moment=True) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224
+    assert at(fsdp, 6) == 150 + SHARDS + 72 + OPT_SHARDS + 72 + 96
+    assert at(fsdp, 6, moment=True) == 150 + SHARDS + 72 + OPT_SHARDS + 72 + 96 + 96
+    assert at(fsdp, 7) == 120 + SHARDS + 72 + OPT_SHARDS + 2 * 72 + 96
+    assert at(fsdp, 8, moment=True) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224 + 96
 
 
 def test_explicit_forward_prefetch_gathers_the_next_unit_early() -> None:
     fsdp = step(FSDPUnit(**{**A.__dict__, "forward_prefetch": ["1"]}), B)
     # a's forward gathers b too: both gathered from event 1 on, both all-gathers at event 1.
-    assert at(fsdp, 1) == SHARDS + 140 + 72 + OPT_SHARDS + 80
-    assert at(fsdp, 1, moment=True) == at(fsdp, 1) + 224 + 96
-    assert at(fsdp, 3, moment=True) == at(fsdp, 3)  # b gathers nothing more when its forward begins
+    assert at(fsdp, 1) == SHARDS + 140 + 72 + OPT_SHARDS + 80 + 224
+    assert at(fsdp, 1, moment=True) == SHARDS + 140 + 72 + OPT_SHARDS + 80 + 224 + 96
+    assert at(fsdp, 3, moment=True) == at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 224  # no gather at b
 
 
 def test_a_checkpoint_containing_units_keeps_them_gathered_after_its_recompute() -> None:

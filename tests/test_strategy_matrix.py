@@ -6,11 +6,6 @@ every rank (fingerprint and per-op decisions); losses equal the plain fit's; eve
 peaks within the budget + 2%, and AutoSAC's predicted peak within 5% of the rank's measured one. Multi-process
 cells (world size 2 and 4: 2 or 4 processes on this 2-core machine, 30 to 70 s each) are marked slow; they run in
 CI.
-
-One cell is a strict expected failure, with what was measured: FSDP2 under bf16-mixed on 2 ranks. Its forward
-allocates 172 KB (2%) more than the unsharded dry run's activations and the gathered root predict (7,619,368 bytes
-above the step's starting bytes, measured, against 7,446,888 predicted), so the planned step measures 2.6% above
-the budget. The same model under 32-true, and under bf16-mixed on 1 and 4 ranks, is within bounds.
 """
 
 from __future__ import annotations
@@ -34,14 +29,8 @@ def _group(strategy: str, world_size: int) -> dict[str, list[CellResult]]:
 
 def _cells() -> list:
     cells = [("single", 1)] + [(s, w) for s in ("ddp", "fsdp2", "fsdp1") for w in (1, 2, 4)]
-    known = pytest.mark.xfail(
-        strict=True, reason="FSDP2 + bf16-mixed on 2 ranks: forward 2% above prediction (see the module docstring)"
-    )
-
-    def marks(s: str, w: int, p: str) -> list:
-        return [pytest.mark.slow] * (w > 1) + [known] * ((s, w, p) == ("fsdp2", 2, "bf16-mixed"))
-
-    return [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=marks(s, w, p)) for s, w in cells for p in PRECISIONS]
+    slow = [pytest.mark.slow]
+    return [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=slow * (w > 1)) for s, w in cells for p in PRECISIONS]
 
 
 @pytest.mark.parametrize(("strategy", "world_size", "precision"), _cells())

@@ -8,7 +8,8 @@ and optimizer state are replaced by what FSDP keeps on one rank:
   forward, or the forward of the unit that prefetches it) until its forward ends, or until its backward ends
   when it does not reshard after forward (the root, by default); again from its backward (or from the backward
   of the unit before it in backward order, which prefetches it by default) until its backward ends;
-- FSDP2's flat all-gather buffer at the moment it gathers a unit (it copies the parameters out, then frees it);
+- FSDP2's flat all-gather buffer: a unit's parameters are copied out of it, and it stays alive until the next
+  all-gather (or the end of backward); at the moment of a gather the previous one is still alive too;
 - gradients: outside backward, every unit's gradient shard (Lightning sets gradients to ``None`` just before
   backward, so during backward only the units done so far have theirs); during a unit's backward its unsharded
   gradients, and at its end a second copy of them, the reduce-scatter's input;
@@ -46,6 +47,7 @@ class ShardedStep:
     layout: ShardedLayout
     _gathered: list[list[tuple[int, int]]] = field(init=False, repr=False)  # per unit: [start, end] intervals
     _starts: dict[int, int] = field(init=False, repr=False)  # timeline index -> all-gather buffer bytes there
+    _held: list[int] = field(init=False, repr=False)  # per timeline index, the last all-gather's buffer bytes
     _bwd: list[tuple[int, int]] = field(init=False, repr=False)  # per unit: its backward's [start, end]
     _phase: list[str] = field(init=False, repr=False)  # per timeline index, the step's phase
     _first: dict[tuple[str, str], int] = field(init=False, repr=False)  # (kind, name) -> first timeline index
@@ -101,6 +103,16 @@ class ShardedStep:
             self._gathered.append(intervals)
             for start, _ in intervals:
                 self._starts[start] = self._starts.get(start, 0) + u.buffer_bytes
+        # FSDP2 keeps the last all-gather's buffer until the next one (when several start together, the largest
+        # is counted), and frees it when backward ends.
+        largest = {
+            k: max(u.buffer_bytes for u, iv in zip(units, self._gathered, strict=True) if any(a == k for a, _ in iv))
+            for k in self._starts
+        }
+        self._held, held = [], 0
+        for k in range(len(timeline)):
+            held = 0 if k >= bwd_end else largest.get(k, held)
+            self._held.append(held)
 
     # ------------------------------------------------------------------ per moment
     def is_gathered(self, i: int, k: int) -> bool:
@@ -127,7 +139,7 @@ class ShardedStep:
             k: Timeline index.
             snapshot: The unsharded profile's bytes by category there (at the event, or its interval's peak).
             moment: ``snapshot`` is the event's own (``at``): add what FSDP holds only at that moment (the
-                all-gather buffer of the units gathered there).
+                all-gather buffers of the units gathered there, beside the previous gather's).
         """
         units = self.layout.units
         param_bytes = sum(u.param_bytes for u in units)
@@ -141,7 +153,9 @@ class ShardedStep:
         gathered = sum(u.gathered_bytes for i, u in enumerate(units) if self.is_gathered(i, k))
         optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
         total = other + unmanaged + shards + gathered + optimizer + self._gradients(k, snapshot)
-        return total + (self._starts.get(k, 0) if moment else 0)
+        if moment and k in self._starts:  # the gathers of this moment, beside the previous gather's buffer
+            return total + self._starts[k] + (self._held[k - 1] if k > 0 else 0)
+        return total + self._held[k]
 
     def recompute_gathers(self, fqn: str, k: int) -> int:
         """Bytes a checkpoint of ``fqn`` gathers at timeline index ``k`` that the step without it does not.

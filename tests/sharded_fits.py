@@ -175,8 +175,8 @@ class CellResult:
     calls: dict[str, list[int]]  # per planned module: its calls, and those that ran other ops than profiled
 
 
-def _rank(rank: int, cell: tuple[str, tuple[str, ...], int, dict[str, Any]], port: int, out: str) -> None:
-    strategy, precisions, world_size, autosac = cell
+def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str, Any]], port: int, out: str) -> None:
+    strategies, precisions, world_size, autosac = cell
     autosac = dict(autosac)
     units = autosac.pop("units", "layers")
     os.environ.update(
@@ -188,7 +188,7 @@ def _rank(rank: int, cell: tuple[str, tuple[str, ...], int, dict[str, Any]], por
         NODE_RANK="0",
     )
     torch.set_num_threads(1)
-    for precision in precisions:
+    for strategy, precision in [(s, p) for s in strategies for p in precisions]:
         plain_peaks = BatchPeaks(at_train_start=True)
         plain = _fit(strategy, precision, world_size, [plain_peaks], units)
         peak = torch.tensor(max(plain_peaks.peaks))
@@ -212,7 +212,7 @@ def _rank(rank: int, cell: tuple[str, tuple[str, ...], int, dict[str, Any]], por
             predicted_peak=sac.plan.predicted_peak_bytes,
             calls=calls.seen,
         )
-        Path(out, f"{precision}_rank{rank}.json").write_text(json.dumps(asdict(result)))
+        Path(out, f"{strategy}_{precision}_rank{rank}.json").write_text(json.dumps(asdict(result)))
 
 
 def _free_port() -> int:
@@ -222,19 +222,24 @@ def _free_port() -> int:
 
 
 def run_cells(
-    strategy: str, world_size: int, precisions: tuple[str, ...], out: Path, **autosac: Any
-) -> dict[str, list[CellResult]]:
-    """Run a strategy's cells of one world size, each precision in turn, in the same ``world_size`` processes.
+    strategies: tuple[str, ...], world_size: int, precisions: tuple[str, ...], out: Path, **autosac: Any
+) -> dict[tuple[str, str], list[CellResult]]:
+    """Run the cells of one world size, each strategy and precision in turn, in the same ``world_size`` processes.
 
-    ``autosac`` are more arguments of AutoSAC (e.g. ``candidates``), and ``units="sublayers"`` shards each decoder
-    layer's attention and MLP as units instead of the layer.
+    Most of a cell's time is starting processes and importing: the cells of a world size share them (the
+    process group Lightning initializes in the first fit serves the later ones). ``autosac`` are more arguments
+    of AutoSAC (e.g. ``candidates``), and ``units="sublayers"`` shards each decoder layer's attention and MLP as
+    units instead of the layer.
 
     Returns:
-        Per precision, every rank's result.
+        Per ``(strategy, precision)``, every rank's result.
     """
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=((strategy, precisions, world_size, autosac), _free_port(), str(out)), nprocs=world_size)
+    mp.spawn(_rank, args=((strategies, precisions, world_size, autosac), _free_port(), str(out)), nprocs=world_size)
     return {
-        p: [CellResult(**json.loads(Path(out, f"{p}_rank{r}.json").read_text())) for r in range(world_size)]
+        (s, p): [
+            CellResult(**json.loads(Path(out, f"{s}_{p}_rank{r}.json").read_text())) for r in range(world_size)
+        ]
+        for s in strategies
         for p in precisions
     }

@@ -23,7 +23,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None:
     # Decoder layers are the only candidates; they are the units, or each contains two (attention and MLP).
     out = Path(tempfile.mkdtemp(prefix=f"fsdp_apply_{strategy}_{units}_"))
-    ranks = run_cells(strategy, 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)["32-true"]
+    run = run_cells((strategy,), 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)
+    ranks = run[strategy, "32-true"]
     first = ranks[0]
     assert first.decisions
     assert all(f.startswith("model.model.layers.") and f.count(".") == 3 for f in first.decisions)

@@ -18,6 +18,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_sac.sharding.layout import is_fsdp_hook
+
 __all__ = ["bracket_fsdp_units", "in_fsdp_hook"]
 
 _DEPTH = [0]
@@ -46,16 +48,11 @@ def _place(hooks: OrderedDict[int, Any], key: int, after: int | None) -> None:
     hooks.update(items)
 
 
-def _is_fsdp_hook(hook: Any) -> bool:
-    owner = getattr(hook, "__self__", None)
-    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
-
-
 def _around(module: nn.Module, table: str, register: Callable[..., RemovableHandle]) -> list[RemovableHandle]:
     """Enter before and exit after each of FSDP's hooks in ``module``'s hook table ``table``."""
     hooks: OrderedDict[int, Any] = getattr(module, table)
     handles: list[RemovableHandle] = []
-    for key in [k for k, h in hooks.items() if _is_fsdp_hook(h)]:
+    for key in [k for k, h in hooks.items() if is_fsdp_hook(h)]:
         enter, leave = register(_enter), register(_exit)
         keys = list(hooks)
         before = keys[keys.index(key) - 1] if keys.index(key) > 0 else None

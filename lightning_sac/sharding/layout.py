@@ -17,9 +17,23 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FSDPUnit", "ShardedLayout", "clean_fqn", "is_sharded", "sharded_layout", "unsharded_structure"]
+__all__ = [
+    "FSDPUnit",
+    "ShardedLayout",
+    "clean_fqn",
+    "is_fsdp_hook",
+    "is_sharded",
+    "sharded_layout",
+    "unsharded_structure",
+]
 
 _WRAPPED = "_fsdp_wrapped_module"
+
+
+def is_fsdp_hook(hook: object) -> bool:
+    """Whether a module hook is one of FSDP's (a bound method of FSDP's per-module state)."""
+    owner = getattr(hook, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
 
 
 def clean_fqn(fqn: str) -> str:

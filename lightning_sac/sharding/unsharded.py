@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_sac.errors import ProfilingError
+from lightning_sac.sharding.layout import is_fsdp_hook
 
 __all__ = ["unsharded_memo"]
 
@@ -32,11 +33,6 @@ _HOOK_DICTS = (
 )
 
 
-def _is_fsdp_hook(hook: Any) -> bool:
-    owner = getattr(hook, "__self__", None)
-    return owner is not None and type(owner).__module__.startswith("torch.distributed.fsdp")
-
-
 def _own_class(module: nn.Module) -> type:
     from torch.distributed.fsdp import FSDPModule
 
@@ -47,8 +43,8 @@ def _stripped_fsdp2(module: nn.Module) -> nn.Module:
     """A shallow stand-in for an FSDP2 module: its own class, its dict without FSDP's state and hooks."""
     proxy: nn.Module = object.__new__(_own_class(module))
     state = {k: v for k, v in module.__dict__.items() if not k.startswith(_STATE_KEY_PREFIX)}
-    fsdp_hooks = {k for k, h in module._forward_pre_hooks.items() if _is_fsdp_hook(h)}
-    fsdp_hooks |= {k for k, h in module._forward_hooks.items() if _is_fsdp_hook(h)}
+    fsdp_hooks = {k for k, h in module._forward_pre_hooks.items() if is_fsdp_hook(h)}
+    fsdp_hooks |= {k for k, h in module._forward_hooks.items() if is_fsdp_hook(h)}
     for name in _HOOK_DICTS:
         hooks = state[name]
         if isinstance(hooks, OrderedDict):

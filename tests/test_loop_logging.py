@@ -26,6 +26,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, M
 from zoo import bert, lm_batch
 
 import lightning_sac.callback as callback_module
+import lightning_sac.callback_planning as planning_module
 from lightning_sac import AutoSAC, ProfilingError, profile_model
 from lightning_sac.devices import get_device_spec
 from lightning_sac.fit_step import FitStepSettings, profile_lightning_step
@@ -91,7 +92,8 @@ def test_item_logging_and_metrics_fit_the_budget_as_the_plain_fit_does(tmp_path,
     budget_gb = 0.8 * max(plain_peaks) / GIB
     sac = AutoSAC(budget_gb=budget_gb, measure=False, log_figures=False)
     told: list[str] = []
-    monkeypatch.setattr(callback_module, "rank_zero_info", lambda message: told.append(message))
+    for module in (callback_module, planning_module):  # AutoSAC's hooks, and its planning
+        monkeypatch.setattr(module, "rank_zero_info", lambda message: told.append(message))
     planned, peaks = fit(model, [sac], tmp_path)
 
     assert sac.plan is not None and sac.plan.decisions and sac.profiled

@@ -9,22 +9,28 @@ profiled ops (no mismatch), and each rank's measured batch peaks stay within the
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import pytest
-from sharded_fits import run_cells
+from sharded_fits import CellResult, run_cells
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 
-@pytest.mark.slow  # 2 processes, 15 to 20 s each
+@functools.cache
+def _group(units: str) -> dict[tuple[str, str], list[CellResult]]:
+    # Decoder layers are the only candidates; they are the units, or each contains two (attention and MLP). FSDP2
+    # and FSDP1 share one set of 2 processes.
+    out = Path(tempfile.mkdtemp(prefix=f"fsdp_apply_{units}_"))
+    return run_cells(("fsdp2", "fsdp1"), 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)
+
+
+@pytest.mark.slow  # 2 processes, about 25 s per units
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 @pytest.mark.parametrize("units", ["layers", "sublayers"], ids=["is-a-unit", "contains-two-units"])
 def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None:
-    # Decoder layers are the only candidates; they are the units, or each contains two (attention and MLP).
-    out = Path(tempfile.mkdtemp(prefix=f"fsdp_apply_{strategy}_{units}_"))
-    run = run_cells((strategy,), 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)
-    ranks = run[strategy, "32-true"]
+    ranks = _group(units)[strategy, "32-true"]
     first = ranks[0]
     assert first.decisions
     assert all(f.startswith("model.model.layers.") and f.count(".") == 3 for f in first.decisions)

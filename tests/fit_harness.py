@@ -75,19 +75,20 @@ class BatchPeaks(pl.Callback):
         self._prof.__enter__()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self.at_train_start:
-            model = trainer.strategy.model or pl_module
-            params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-            grads = [g for p in model.parameters() if (g := p.grad) is not None]
-            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            state = [
-                v.to_local() if isinstance(v, DTensor) else v
-                for opt in trainer.optimizers
-                for per_param in opt.state.values()
-                for v in per_param.values()
-                if isinstance(v, torch.Tensor)
-            ]
-            self._alive.append(unique_bytes([*params, *grads, *state, *model.buffers()]))
+        # The bytes of the tensors alive at the batch's start (see on_fit_end).
+        model = trainer.strategy.model or pl_module
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        grads = [g for p in model.parameters() if (g := p.grad) is not None]
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        state = [
+            v.to_local() if isinstance(v, DTensor) else v
+            for opt in trainer.optimizers
+            for per_param in opt.state.values()
+            for v in per_param.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        inputs = _tensors(batch)
+        self._alive.append(unique_bytes([*params, *grads, *state, *model.buffers(), *inputs]))
         self._range = record_function(f"fit_harness_batch_{self._n}")
         self._range.__enter__()
 
@@ -104,9 +105,18 @@ class BatchPeaks(pl.Callback):
             if e.name().startswith("fit_harness_batch_"):
                 windows[int(e.name().rsplit("_", 1)[1])] = (e.start_ns(), e.start_ns() + e.duration_ns())
         self.peaks, self.starts = [], []
+        # What the running sum holds beyond the live tensors at a batch's start is memory no tensor reaches (DDP's
+        # buckets), which stays, or a free the profiler did not record (a gloo worker thread's), which would be
+        # carried into every later batch: the smallest such difference so far is kept.
+        untracked: int | None = None
         for i in sorted(windows):
             lo, hi = windows[i]
-            alive = self._alive[i] if self.at_train_start else self._baseline + sum(d for t, d in memory if t < lo)
+            if self.at_train_start:
+                alive = self._alive[i]
+            else:
+                running = self._baseline + sum(d for t, d in memory if t < lo)
+                untracked = running - self._alive[i] if untracked is None else min(untracked, running - self._alive[i])
+                alive = self._alive[i] + untracked
             self.starts.append(alive)
             peak = alive
             for t, d in memory:
@@ -131,6 +141,16 @@ class FitRun:
     peaks: list[int]
     losses: list[float]
     rank_peaks: list[list[int]] = field(default_factory=list)
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
 
 
 def batch_peaks(out_dir: str | os.PathLike[str], world_size: int) -> list[list[int]]:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lightning_sac.measure import unique_bytes
+from lightning_sac.profiling.step import tensors_of
 
 __all__ = ["BatchPeaks", "FitRun", "batch_peaks"]
 
@@ -62,9 +63,7 @@ class BatchPeaks(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.at_train_start:
-            model = trainer.strategy.model or pl_module
-            local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-            self._start([*local, *model.buffers()])
+            self._start(_live_tensors(trainer, pl_module))
 
     def _start(self, alive: list[Any]) -> None:
         # The CPU allocator reports to a profiler the frees of blocks an earlier profiler session saw allocated:
@@ -76,19 +75,7 @@ class BatchPeaks(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         # The bytes of the tensors alive at the batch's start (see on_fit_end).
-        model = trainer.strategy.model or pl_module
-        params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        grads = [g for p in model.parameters() if (g := p.grad) is not None]
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        state = [
-            v.to_local() if isinstance(v, DTensor) else v
-            for opt in trainer.optimizers
-            for per_param in opt.state.values()
-            for v in per_param.values()
-            if isinstance(v, torch.Tensor)
-        ]
-        inputs = _tensors(batch)
-        self._alive.append(unique_bytes([*params, *grads, *state, *model.buffers(), *inputs]))
+        self._alive.append(unique_bytes([*_live_tensors(trainer, pl_module), *tensors_of(batch)]))
         self._range = record_function(f"fit_harness_batch_{self._n}")
         self._range.__enter__()
 
@@ -143,14 +130,15 @@ class FitRun:
     rank_peaks: list[list[int]] = field(default_factory=list)
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
+def _live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.Tensor]:
+    """The rank's own training state: parameters (a DTensor's local shard), their gradients, the optimizer's
+    state and the buffers of the model as the strategy runs it (FSDP1's wrapper, whose parameters view its shard).
+    """
+    model = trainer.strategy.model or pl_module
+    params = list(model.parameters())
+    state = [v for opt in trainer.optimizers for per_param in opt.state.values() for v in per_param.values()]
+    tensors = [*params, *[p.grad for p in params if p.grad is not None], *tensors_of(state), *model.buffers()]
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 
 
 def batch_peaks(out_dir: str | os.PathLike[str], world_size: int) -> list[list[int]]:

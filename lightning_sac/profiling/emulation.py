@@ -62,9 +62,9 @@ def fake_copy(
         memo[id(b)] = _fake_like(b, mode, device)
     if is_sharded(wrapper if wrapper is not None else model):
 
-        def make_fake(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        def make_fake(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             with mode:
-                return torch.empty_strided(tuple(shape), stride, dtype=dtype, device=device)
+                return torch.empty(tuple(shape), dtype=dtype, device=device)
 
         unsharded_memo(model, wrapper, make_fake, memo)
     for p in model.parameters():

@@ -90,7 +90,7 @@ def _fsdp1_global_params(outer: nn.Module) -> dict[int, tuple[torch.Size, torch.
 def unsharded_memo(
     model: nn.Module,
     outer: nn.Module | None,
-    make_fake: Callable[[torch.Size, tuple[int, ...], torch.dtype], torch.Tensor],
+    make_fake: Callable[[torch.Size, torch.dtype], torch.Tensor],
     memo: dict[int, Any],
 ) -> None:
     """Fill ``memo`` (a ``copy.deepcopy`` memo holding the parameters' fakes) so that copying ``model`` unshards it.
@@ -98,7 +98,7 @@ def unsharded_memo(
     Args:
         model: The model (whose submodules may be FSDP units).
         outer: An FSDP1 wrapper around ``model`` itself (Lightning's ``trainer.strategy.model``), if any.
-        make_fake: Makes a fake tensor of a shape, stride and dtype.
+        make_fake: Makes a (contiguous) fake tensor of a shape and dtype.
         memo: The memo; parameters of global shapes, and the copies of FSDP modules, are added.
     """
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -108,17 +108,17 @@ def unsharded_memo(
     flat_shapes = _fsdp1_global_params(scope)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            fake = make_fake(p.shape, _contiguous(p.shape), p.dtype)
+            fake = make_fake(p.shape, p.dtype)
             memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
         elif id(p) in flat_shapes:
             shape, dtype, grad = flat_shapes[id(p)]
-            memo[id(p)] = nn.Parameter(make_fake(shape, _contiguous(shape), dtype), requires_grad=grad)
+            memo[id(p)] = nn.Parameter(make_fake(shape, dtype), requires_grad=grad)
     # FSDP1's mixed precision keeps floating buffers in its buffer_dtype.
     buffer_dtype = _fsdp1_buffer_dtype(scope)
     if buffer_dtype is not None:
         for b in model.buffers():
             if b.is_floating_point():
-                memo[id(b)] = make_fake(b.shape, _contiguous(b.shape), buffer_dtype)
+                memo[id(b)] = make_fake(b.shape, buffer_dtype)
     # Children before parents: a parent's copy finds its sharded children already copied in the memo.
     for m in reversed(list(model.modules())):
         if isinstance(m, FSDPModule):
@@ -136,10 +136,3 @@ def _fsdp1_buffer_dtype(outer: nn.Module) -> torch.dtype | None:
             return None if mp is None else mp.buffer_dtype
     return None
 
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))

@@ -165,7 +165,7 @@ def memory_constraints(
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
     # Under FSDP with the model's units known, a rank holds what the sharded model says (lightning_sac.sharding).
     fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
-    on_device = device_model(profile, world_size, sharding)
+    on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
 
     ends = backward_ends(profile)
     holding = {j: _held(profile.modules[j]) for j in windows}

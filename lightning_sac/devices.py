@@ -27,10 +27,12 @@ from lightning_sac.devices_table import (
     CPU_DRAM_GBPS,
     CPU_TFLOPS,
     CUDA_ALLOCATOR_ROUNDING,
+    CUDA_CONTEXT_BYTES,
     DRIVER_NAME_PATTERNS,
     FALLBACK_CUDA_ENTRY,
     FP64_FALLBACK_RATIO,
     GPU_DATASHEETS,
+    blas_workspace_bytes,
 )
 
 __all__ = ["DEVICE_SPECS", "DeviceSpec", "UnknownDeviceError", "detect_device", "get_device_spec", "known_devices"]
@@ -66,6 +68,16 @@ class DeviceSpec:
             1 for ``"cpu"`` (the profiler reports requested bytes there).
         is_cuda: Whether torch addresses the device as ``"cuda"``, which is true for NVIDIA and for AMD
             under ROCm/HIP.
+        compute_capability: NVIDIA SM version ``(major, minor)``, which decides the attention kernels
+            ``scaled_dot_product_attention`` may pick (:mod:`lightning_sac.profiling.cuda_sdpa`); ``None`` for the
+            CPU and for AMD GPUs (ROCm's kernels have their own rules).
+        context_bytes: Device memory the CUDA context takes outside PyTorch's allocator: driver state and the
+            kernels a training step loads. Not part of ``torch.cuda.memory_reserved()``, but of what the device
+            holds (``nvidia-smi``); a plan's budget counts it (:mod:`lightning_sac.device_reserve`).
+        blas_workspace_bytes: cuBLAS workspace per handle and stream, allocated through PyTorch's caching
+            allocator at the first matmul and kept (torch's default ``CUBLAS_WORKSPACE_CONFIG``).
+        nccl_bytes: Device memory NCCL's buffers take per communicator, outside PyTorch's allocator, when the step
+            runs on several processes.
 
     """
 
@@ -76,6 +88,10 @@ class DeviceSpec:
     dram_gbps: float
     allocator_rounding: int
     is_cuda: bool
+    compute_capability: tuple[int, int] | None = None
+    context_bytes: int = 0
+    blas_workspace_bytes: int = 0
+    nccl_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -86,6 +102,12 @@ class DeviceSpec:
             raise TypeError(f"allocator_rounding must be an int, got {self.allocator_rounding!r}.")
         if self.allocator_rounding < 1:
             raise ValueError(f"allocator_rounding must be at least 1, got {self.allocator_rounding}.")
+        for key in ("context_bytes", "blas_workspace_bytes", "nccl_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a non-negative int of bytes, got {value!r}.")
+        if self.compute_capability is not None:
+            object.__setattr__(self, "compute_capability", tuple(int(v) for v in self.compute_capability))
         unknown = set(self.tflops) - _TFLOPS_KEYS
         if unknown:
             raise ValueError(f"Unknown tflops keys {sorted(unknown)}; allowed keys are {sorted(_TFLOPS_KEYS)}.")
@@ -175,6 +197,10 @@ class DeviceSpec:
             "dram_gbps": self.dram_gbps,
             "allocator_rounding": self.allocator_rounding,
             "is_cuda": self.is_cuda,
+            "compute_capability": None if self.compute_capability is None else list(self.compute_capability),
+            "context_bytes": self.context_bytes,
+            "blas_workspace_bytes": self.blas_workspace_bytes,
+            "nccl_bytes": self.nccl_bytes,
         }
 
     @classmethod
@@ -182,7 +208,8 @@ class DeviceSpec:
         """Build a spec from the output of :meth:`to_dict` (possibly after a JSON round trip).
 
         Args:
-            d: Mapping with exactly the keys :meth:`to_dict` produces.
+            d: Mapping with the keys :meth:`to_dict` produces; the fields added after the first release
+                (``compute_capability`` and the reserve figures) may be absent, as in older profiles.
 
         Returns:
             The reconstructed spec.
@@ -192,7 +219,7 @@ class DeviceSpec:
 
         """
         expected = {f.name for f in fields(cls)}
-        missing = expected - set(d)
+        missing = expected - set(d) - _OPTIONAL_KEYS
         extra = set(d) - expected
         if missing or extra:
             raise ValueError(
@@ -205,7 +232,14 @@ class DeviceSpec:
             dram_gbps=d["dram_gbps"],
             allocator_rounding=d["allocator_rounding"],
             is_cuda=d["is_cuda"],
+            compute_capability=None if d.get("compute_capability") is None else tuple(d["compute_capability"]),
+            context_bytes=d.get("context_bytes", 0),
+            blas_workspace_bytes=d.get("blas_workspace_bytes", 0),
+            nccl_bytes=d.get("nccl_bytes", 0),
         )
+
+
+_OPTIONAL_KEYS = frozenset({"compute_capability", "context_bytes", "blas_workspace_bytes", "nccl_bytes"})
 
 
 def _require_positive(what: str, value: object) -> None:
@@ -235,6 +269,10 @@ def _build_table() -> dict[str, DeviceSpec]:
             dram_gbps=sheet.dram_gbps,
             allocator_rounding=CUDA_ALLOCATOR_ROUNDING,
             is_cuda=True,
+            compute_capability=sheet.compute_capability,
+            context_bytes=CUDA_CONTEXT_BYTES,
+            blas_workspace_bytes=blas_workspace_bytes(sheet.compute_capability, amd_cdna3=sheet.name == "MI300X"),
+            nccl_bytes=sheet.nccl_bytes,
         )
         for sheet in GPU_DATASHEETS
     }
@@ -343,4 +381,13 @@ def detect_device() -> DeviceSpec:
             stacklevel=2,
         )
     # The driver's total memory beats the datasheet's: it is what allocations can actually use.
-    return replace(DEVICE_SPECS[entry], name=name, memory_gib=int(props.total_memory) / 2**30)
+    capability = (int(props.major), int(props.minor)) if torch.version.hip is None else None
+    cdna3 = capability is None and str(getattr(props, "gcnArchName", "")).startswith(("gfx94", "gfx95"))
+    spec = DEVICE_SPECS[entry]
+    return replace(
+        spec,
+        name=name,
+        memory_gib=int(props.total_memory) / 2**30,
+        compute_capability=capability,
+        blas_workspace_bytes=blas_workspace_bytes(capability, amd_cdna3=cdna3),
+    )

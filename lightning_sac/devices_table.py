@@ -15,15 +15,54 @@ __all__ = [
     "CPU_DRAM_GBPS",
     "CPU_TFLOPS",
     "CUDA_ALLOCATOR_ROUNDING",
+    "CUDA_CONTEXT_BYTES",
     "DRIVER_NAME_PATTERNS",
     "FALLBACK_CUDA_ENTRY",
     "FP64_FALLBACK_RATIO",
     "GPU_DATASHEETS",
+    "NCCL_BYTES_AMPERE",
+    "NCCL_BYTES_HOPPER",
     "Datasheet",
+    "blas_workspace_bytes",
 ]
 
 #: The CUDA and HIP caching allocators round every block up to a multiple of 512 bytes.
 CUDA_ALLOCATOR_ROUNDING = 512
+
+_MIB = 2**20
+
+#: The CUDA context of a training process, outside PyTorch's allocator: with lazy module loading (CUDA >= 11.7,
+#: torch's default) about 300-430 MiB right after initialization (pytorch/pytorch#107667, #109888; 426 MiB on an
+#: RTX 6000 Ada with torch 2.10 + CUDA 13, unslothai/unsloth-zoo#1053), growing as a step's kernels are loaded.
+#: 512 MiB is the figure used for every CUDA GPU until ``tests/gpu`` measures one (``nvidia-smi`` minus
+#: ``torch.cuda.memory_reserved()``); pass a DeviceSpec with your own to override it.
+CUDA_CONTEXT_BYTES = 512 * _MIB
+
+#: NCCL's buffers per communicator, outside PyTorch's allocator, scale with the channels NCCL opens (more on
+#: faster links): 544 MiB for a 2-GPU and 688 MiB for a 3- or 4-GPU group on 4 x A100 NVLink
+#: (NVIDIA/nccl#964), 1.06 GB on 8 x H100 before any all-to-all (NVIDIA/nccl#1685).
+NCCL_BYTES_AMPERE = 688 * _MIB
+NCCL_BYTES_HOPPER = 1088 * _MIB
+
+
+def blas_workspace_bytes(capability: tuple[int, int] | None, *, amd_cdna3: bool = False) -> int:
+    """CuBLAS (hipBLAS) workspace torch allocates per handle and stream when ``CUBLAS_WORKSPACE_CONFIG`` is unset.
+
+    torch's ``parseChosenWorkspaceSize`` (``aten/src/ATen/cuda/CublasHandlePool.cpp``): ``:4096:8`` (32 MiB) on SM
+    9.x to 12.x (Hopper, Blackwell), ``:4096:2:16:8`` (8 MiB + 128 KiB) on earlier NVIDIA parts; on ROCm 32 MiB,
+    128 MiB on gfx94x/gfx95x (MI300X). It comes from the caching allocator, so it is in
+    ``torch.cuda.memory_allocated()`` from the first matmul on.
+
+    Args:
+        capability: NVIDIA SM version, ``None`` for an AMD GPU.
+        amd_cdna3: An AMD gfx94x/gfx95x part (MI300 series).
+    """
+    if capability is None:
+        return 128 * _MIB if amd_cdna3 else 32 * _MIB
+    if 9 <= capability[0] <= 12:
+        return 4096 * 1024 * 8
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
 
 #: NVIDIA parts whose datasheets omit FP64 (GA10x, AD10x) run it at 1/64 of the FP32 rate.
 FP64_FALLBACK_RATIO = 64.0
@@ -38,12 +77,16 @@ class Datasheet:
         memory_gib: Device memory, GiB.
         tflops: Dense peak TFLOP/s per arithmetic (keys as :attr:`~lightning_sac.devices.DeviceSpec.tflops`).
         dram_gbps: DRAM bandwidth, GB/s.
+        compute_capability: NVIDIA SM version; ``None`` for AMD parts.
+        nccl_bytes: NCCL's buffers per communicator on this part (see :data:`NCCL_BYTES_AMPERE`).
     """
 
     name: str
     memory_gib: float
     tflops: Mapping[str, float]
     dram_gbps: float
+    compute_capability: tuple[int, int] | None = None
+    nccl_bytes: int = NCCL_BYTES_AMPERE
 
 
 # Conventions for every GPU entry:
@@ -61,6 +104,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=40,
         tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
         dram_gbps=1555,
+        compute_capability=(8, 0),
     ),
     # NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM" column (HBM2e).
     Datasheet(
@@ -68,6 +112,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=80,
         tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
         dram_gbps=2039,
+        compute_capability=(8, 0),
     ),
     # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column; dense tensor figures as printed in the
     # NVIDIA H100 Tensor Core GPU Architecture whitepaper. FP64 non-tensor is 34.
@@ -76,6 +121,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=80,
         tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         dram_gbps=3350,
+        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
     ),
     # NVIDIA H100 Tensor Core GPU Architecture whitepaper, "H100 PCIe" column (the datasheet rounds
     # these to 51 / 756* / 1513* / 3026* with sparsity). FP64 non-tensor is 25.6.
@@ -84,6 +130,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=80,
         tflops={"fp64": 51.2, "fp32": 51.2, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513},
         dram_gbps=2000,
+        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
     ),
     # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM" column: H100 SXM compute, 141 GB HBM3e.
     Datasheet(
@@ -91,6 +138,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=141,
         tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
         dram_gbps=4800,
+        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
     ),
     # NVIDIA DGX B200 / HGX B200 datasheets, 8-GPU totals divided by 8 (1,440 GB, 64 TB/s; FP32 600,
     # FP64 296, TF32 18 P*, BF16/FP16 36 P*, FP8 72 P* with sparsity). Early announcements said 192 GB.
@@ -99,6 +147,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=180,
         tflops={"fp64": 37, "fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
         dram_gbps=8000,
+        compute_capability=(10, 0), nccl_bytes=NCCL_BYTES_HOPPER,
     ),
     # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure published).
     Datasheet(
@@ -106,6 +155,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=24,
         tflops={"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
         dram_gbps=300,
+        compute_capability=(8, 9),
     ),
     # NVIDIA L40S datasheet (dense | sparse printed side by side; no FP64 figure published).
     Datasheet(
@@ -113,6 +163,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=48,
         tflops={"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
         dram_gbps=864,
+        compute_capability=(8, 9),
     ),
     # NVIDIA A10 Tensor Core GPU datasheet. The A10G is AWS's variant of this GA102 part (G5 instances)
     # with no public NVIDIA datasheet; AWS lists the same 24 GB / 600 GB/s, clocks are within ~1%.
@@ -121,6 +172,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=24,
         tflops={"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125},
         dram_gbps=600,
+        compute_capability=(8, 6),
     ),
     # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix table, GeForce RTX 4090. GeForce runs
     # FP16/BF16 (and FP8) tensor math with FP32 accumulation at half the FP16-accumulate rate, so these
@@ -130,6 +182,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=24,
         tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
         dram_gbps=1008,
+        compute_capability=(8, 9),
     ),
     # NVIDIA Tesla V100 GPU datasheet, "V100 SXM2" column, 32 GB model. No TF32, BF16 or FP8;
     # "fp16" is the 125 TFLOPS "Tensor Performance" figure.
@@ -138,6 +191,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
         memory_gib=32,
         tflops={"fp64": 7.8, "fp32": 15.7, "fp16": 125},
         dram_gbps=900,
+        compute_capability=(7, 0),
     ),
     # AMD Instinct MI300X accelerator datasheet (FP64 matrix 163.4, vector 81.7; dense figures, the
     # sparse ones are printed separately).
@@ -153,6 +207,7 @@ GPU_DATASHEETS: tuple[Datasheet, ...] = (
             "fp8": 2614.9,
         },
         dram_gbps=5300,
+        nccl_bytes=NCCL_BYTES_HOPPER,
     ),
 )
 

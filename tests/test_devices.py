@@ -35,8 +35,13 @@ REQUIRED = [
 ]
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, name: str, total_memory: int) -> None:
-    props = types.SimpleNamespace(name=name, total_memory=total_memory, multi_processor_count=132)
+def _fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, name: str, total_memory: int, capability: tuple[int, int] = (9, 0)
+) -> None:
+    major, minor = capability
+    props = types.SimpleNamespace(
+        name=name, total_memory=total_memory, multi_processor_count=132, major=major, minor=minor
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
@@ -45,6 +50,22 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch, name: str, total_memory: int) ->
         return props
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
+
+
+def test_detect_device_reads_the_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An A100 whose driver reports SM 8.0: torch's default cuBLAS workspace is :4096:2:16:8 there.
+    _fake_cuda(monkeypatch, "NVIDIA A100-SXM4-40GB", 42298834944, capability=(8, 0))
+    spec = detect_device()
+    assert spec.compute_capability == (8, 0)
+    assert spec.blas_workspace_bytes == 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+def test_old_profiles_without_the_new_device_fields_still_load() -> None:
+    d = DEVICE_SPECS["H100-SXM"].to_dict()
+    for key in ("compute_capability", "context_bytes", "blas_workspace_bytes", "nccl_bytes"):
+        del d[key]
+    old = DeviceSpec.from_dict(d)
+    assert old.compute_capability is None and old.context_bytes == 0 and old.nccl_bytes == 0
 
 
 # --- lookup -------------------------------------------------------------------------------------------
@@ -317,6 +338,8 @@ def test_detect_device_fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spec.dram_gbps == h100.dram_gbps
     assert spec.allocator_rounding == 512
     assert spec.peak_tflops(torch.bfloat16) == pytest.approx(989.4)
+    # SM 9.0: torch's cuBLAS workspace is :4096:8, eight 4 MiB chunks.
+    assert spec.compute_capability == (9, 0) and spec.blas_workspace_bytes == 8 * 4096 * 1024
     assert get_device_spec("auto") == spec
     # The detected spec serializes like any other.
     assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec

@@ -11,8 +11,14 @@ CUDA-only registrations of ``autocast_mode.cpp``, vendored here and checked agai
 the installed torch by the tests. CPU-only entries fall through (no cast). The casts are the same ``_to_copy`` ops
 autocast makes, recorded and saved for backward like the real ones.
 
-Lightning runs autocast with ``cache_enabled=False``, so every use of a weight casts it again; that is what is
-emulated. The weight-cast cache of ``cache_enabled=True`` is not: a step that enables it is refused.
+Lightning runs autocast with ``cache_enabled=False``, so every use of a weight casts it again. A region the model
+opens itself (``torch.autocast("cuda")`` caches by default) keeps each weight's cast until the outermost autocast
+region exits, as ``cached_cast`` in ``autocast_mode.cpp`` does: the same cast tensor serves every use.
+
+Written in the model, ``torch.autocast("cuda", ...)`` (and ``torch.amp.autocast``, ``torch.cuda.amp.autocast``)
+would do nothing to the CPU tensors the target is profiled on (on a machine without CUDA it even disables itself);
+while :class:`CudaAutocastRegions` is active it opens a CPU autocast region with the same dtype (CUDA's default,
+float16, when none is given), enabled flag and cache setting, which :class:`CudaAutocastPolicy` runs by CUDA's table.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.library import Library, fallthrough_kernel
 
-__all__ = ["CUDA_AUTOCAST_POLICY", "CudaAutocastPolicy", "KernelOverride"]
+__all__ = ["CUDA_AUTOCAST_POLICY", "CudaAutocastPolicy", "CudaAutocastRegions", "KernelOverride"]
 
 _LOWER = (
     "_convolution.deprecated _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d.input "
@@ -92,8 +98,8 @@ def _cast_call(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype
     builds) evaluates right to left: ``addmm(bias, x, w)`` casts ``w``, then ``x``, then ``bias``. The casts are ops
     a checkpoint policy counts, so their order must be CUDA's for a plan's op indices to match the run.
     """
-    cast_kwargs = {k: _cast(kwargs[k], dtype) for k in reversed(list(kwargs))}
-    cast_args = [_cast(a, dtype) for a in reversed(args)][::-1]
+    cast_kwargs = {k: _cast_lower(kwargs[k], dtype) for k in reversed(list(kwargs))}
+    cast_args = [_cast_lower(a, dtype) for a in reversed(args)][::-1]
     return tuple(cast_args), {k: cast_kwargs[k] for k in kwargs}
 
 
@@ -115,6 +121,26 @@ _HALF_TO_FLOAT = {
 def _cached(t: Any) -> bool:
     # What autocast's cache would hold: a cast of an fp32 leaf that requires grad (a weight) to the autocast dtype.
     return _eligible(t) and t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
+
+
+# Weight casts kept while a caching autocast region is open, by the weight's id: (weight, its cast).
+_CAST_CACHE: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _cast_lower(x: Any, dtype: torch.dtype) -> Any:
+    # cached_cast: with the cache on, a weight's cast to the autocast dtype is made once and reused in the region.
+    if not (torch.is_autocast_cache_enabled() and _cached(x) and dtype != torch.float32):
+        return _cast(x, dtype)
+    hit = _CAST_CACHE.get(id(x))
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    cast = x.to(dtype)
+    _CAST_CACHE[id(x)] = (x, cast)
+    return cast
+
+
+def _clear_cast_cache() -> None:
+    _CAST_CACHE.clear()
 
 
 def _with_float_dtype(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -147,11 +173,6 @@ def _kernel(name: str, policy: str) -> Callable[..., Any]:
                 raise RuntimeError(
                     f"aten::{name} is unsafe to autocast on CUDA, which refuses it under torch.autocast: use "
                     "binary_cross_entropy_with_logits (BCEWithLogitsLoss), as CUDA's error says."
-                )
-            if policy == "lower" and torch.is_autocast_cache_enabled() and any(map(_cached, args)):
-                raise RuntimeError(
-                    "Emulating CUDA autocast on CPU models autocast with cache_enabled=False, as Lightning runs it; "
-                    f"this step runs aten::{name} on a weight under autocast with its weight-cast cache enabled."
                 )
             if policy in ("lower", "fp32", "promote"):
                 dtype = {"lower": lower, "fp32": torch.float32}.get(policy) or _widest((args, kwargs), lower)
@@ -198,8 +219,26 @@ class CudaAutocastPolicy(KernelOverride):
     """While active, ``torch.autocast("cpu")`` casts as CUDA autocast does (see the module docstring).
 
     Entering registers Python kernels for the ``AutocastCPU`` dispatch key; leaving removes them, which gives the
-    CPU's own kernels back.
+    CPU's own kernels back. The weight-cast cache is dropped where torch drops its own: when the outermost autocast
+    region exits (``torch.clear_autocast_cache``).
     """
+
+    def __enter__(self) -> CudaAutocastPolicy:
+        super().__enter__()
+        original = torch.clear_autocast_cache
+
+        def clear() -> None:
+            _clear_cast_cache()
+            original()
+
+        self._original_clear = original
+        torch.clear_autocast_cache = clear
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.clear_autocast_cache = self._original_clear
+        _clear_cast_cache()
+        super().__exit__(*exc)
 
     def register(self, lib: Library) -> None:
         """CUDA's policy for the ops it lists; every other op the CPU's autocast casts falls through uncast."""
@@ -211,3 +250,54 @@ class CudaAutocastPolicy(KernelOverride):
                 lib.impl(name, _kernel(name, policy), _KEY)
         for name in sorted(cpu_only):
             lib.impl(name, fallthrough_kernel, _KEY)
+
+
+class CudaAutocastRegions:
+    """While active, autocast regions the model opens for ``"cuda"`` autocast the fake CPU tensors instead.
+
+    ``torch.autocast`` is one class (``torch.amp.autocast`` and the deprecated ``torch.cuda.amp.autocast`` construct
+    it), so its ``__init__`` is wrapped for as long as the context is active: a ``"cuda"`` region becomes a
+    ``"cpu"`` one with the same settings and CUDA's default dtype, and runs under :class:`CudaAutocastPolicy`. A
+    region built before (``@torch.autocast("cuda")`` on a function) was disabled by torch when it was built on a
+    machine without CUDA, which also forgets whether it was asked to be enabled: entering one warns once per region.
+    """
+
+    def __enter__(self) -> CudaAutocastRegions:
+        cls = torch.amp.autocast_mode.autocast
+        original = cls.__init__
+        cuda_default = torch.get_autocast_dtype("cuda")
+
+        def __init__(
+            region: Any,
+            device_type: str,
+            dtype: torch.dtype | None = None,
+            enabled: bool = True,
+            cache_enabled: bool | None = None,
+        ) -> None:
+            if device_type == "cuda":
+                device_type, dtype = "cpu", cuda_default if dtype is None else dtype
+            original(region, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        enter = cls.__enter__
+
+        def __enter__(region: Any) -> Any:
+            if region.device == "cuda" and not getattr(region, "_lsac_warned", False):
+                region._lsac_warned = True
+                warnings.warn(
+                    "lightning-sac: a torch.autocast('cuda') region built before profiling (a decorator, or an "
+                    "instance made at import) cannot be read on a machine without CUDA: torch disabled it when it was "
+                    "built, so whether it is enabled on the GPU is unknown, and it is profiled as disabled. Open it "
+                    "inside forward (`with torch.autocast('cuda', ...)`) or plan on the GPU.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return enter(region)
+
+        self._cls, self._original, self._enter = cls, original, enter
+        cls.__init__ = __init__  # type: ignore[method-assign, assignment]
+        cls.__enter__ = __enter__  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cls.__init__ = self._original  # type: ignore[method-assign]
+        self._cls.__enter__ = self._enter  # type: ignore[method-assign]

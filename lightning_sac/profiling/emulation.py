@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,9 +19,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 
+from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.cpu_kernels import rnn_layer_memory
 from lightning_sac.profiling.cpu_promotion import promotion_bytes
-from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy, KernelOverride
+from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
+from lightning_sac.profiling.cuda_sdpa import cuda_sdpa
 from lightning_sac.sharding.layout import is_sharded
 from lightning_sac.sharding.unsharded import unsharded_memo
 
@@ -73,38 +76,6 @@ def fake_copy(
     return copy.deepcopy(model, memo)
 
 
-def _cuda_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    *,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """Scaled-dot-product attention through the kernels CUDA would pick, so autograd saves what CUDA saves.
-
-    Flash attention (half precision, no mask) and memory-efficient attention (otherwise) save q, k, v, the
-    output and the log-sum-exp: O(T) per head. CPU attention with dropout takes the math path, which saves
-    the T x T attention matrix; profiling a GPU target on CPU without this would overstate its memory. Under
-    autocast, its kernel has cast q, k, v and the mask already, as CUDA's does before it picks a kernel.
-    """
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        groups = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-    if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
-        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        # The efficient kernel takes an additive bias; CUDA converts boolean masks the same way.
-        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
-    needs_lse = query.requires_grad or key.requires_grad or value.requires_grad
-    return aten._scaled_dot_product_efficient_attention(
-        query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale
-    )[0]
-
-
 def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     """``aten.dropout`` as CUDA runs it: the fused kernel, which saves a one-byte mask per element.
 
@@ -121,31 +92,43 @@ def _cuda_dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 class CudaAttentionEmulation(KernelOverride):
-    """Route attention and dropout to the CUDA kernels while profiling fake CPU tensors.
+    """Route attention and dropout to the kernels CUDA runs on ``spec`` while profiling fake CPU tensors.
 
-    The two ops' composite kernels are replaced at the dispatcher while the context is active (the CPU's come back
-    on exit): unlike a torch function mode, which is off in a checkpoint's recompute during backward, the
-    dispatcher also serves the recompute of a model that checkpoints itself, so that it saves what its forward
-    saved.
+    Attention goes through the kernel CUDA's selection picks for each call (:mod:`~lightning_sac.profiling.cuda_sdpa`:
+    flash, memory-efficient, math or cuDNN, honouring ``sdpa_kernel``). The two ops' composite kernels are replaced
+    at the dispatcher while the context is active (the CPU's come back on exit): unlike a torch function mode, which
+    is off in a checkpoint's recompute during backward, the dispatcher also serves the recompute of a model that
+    checkpoints itself, so that it saves what its forward saved.
     """
+
+    def __init__(self, spec: DeviceSpec) -> None:
+        super().__init__()
+        self.spec = spec
 
     def register(self, lib: Library) -> None:
         """CUDA's attention and dropout kernels in place of the composite ones."""
-        lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+        lib.impl("scaled_dot_product_attention", functools.partial(cuda_sdpa, self.spec), "CompositeImplicitAutograd")
         lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
 
 
 class CudaEmulation(contextlib.ExitStack):
     """A CUDA target on fake CPU tensors: CUDA's attention and dropout kernels, and CUDA's autocast policy.
 
-    See :class:`CudaAttentionEmulation` and :class:`~lightning_sac.profiling.cuda_autocast.CudaAutocastPolicy`.
+    ``torch.autocast("cuda")`` regions in the model become CPU autocast regions under CUDA's policy
+    (:class:`~lightning_sac.profiling.cuda_autocast.CudaAutocastRegions`). See :class:`CudaAttentionEmulation` and
+    :class:`~lightning_sac.profiling.cuda_autocast.CudaAutocastPolicy`.
     """
+
+    def __init__(self, spec: DeviceSpec) -> None:
+        super().__init__()
+        self.spec = spec
 
     def __enter__(self) -> CudaEmulation:
         super().__enter__()
         try:
             self.enter_context(CudaAutocastPolicy())
-            self.enter_context(CudaAttentionEmulation())
+            self.enter_context(CudaAutocastRegions())
+            self.enter_context(CudaAttentionEmulation(self.spec))
         except BaseException:
             self.close()  # give the CPU's kernels back: a failed enter gets no exit
             raise

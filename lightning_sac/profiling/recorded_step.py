@@ -20,6 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 from lightning_sac.caches import CacheSwitch
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.compat import real_step_answers
+from lightning_sac.profiling.cuda_sdpa import attention_workspace_bytes
 from lightning_sac.profiling.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
 from lightning_sac.profiling.placeholders import Placeholders
@@ -163,7 +164,7 @@ def record_step(
     """
     spec = step.device
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
-    emulation = CudaEmulation() if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
+    emulation = CudaEmulation(spec) if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
     forward, manual = step.compute_loss, step.manual
     if (forward is None) == (manual is None):
         raise ValueError("A StepSpec takes compute_loss or manual, exactly one of them.")
@@ -201,7 +202,7 @@ def record_step(
             fmodel,
             spec,
             step.estimator,
-            workspace=cpu_workspace_bytes if cpu else None,
+            workspace=cpu_workspace_bytes if cpu else attention_workspace_bytes,
             output_bytes=cpu_output_bytes if cpu else None,
         )
         try:

@@ -1,0 +1,166 @@
+"""CUDA's kernel choices on fake CPU tensors: SDPA backend selection, attention workspaces, autocast in a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lightning_sac import get_device_spec, profile_model
+from lightning_sac.profiling.cuda_sdpa import CUDNN, EFFICIENT, FLASH, MATH, attention_workspace_bytes, choose_backend
+
+aten = torch.ops.aten
+
+
+def _qkv(
+    shape: tuple[int, ...], dtype: torch.dtype, kv_heads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv = shape if kv_heads is None else (shape[0], kv_heads, *shape[2:])
+    return (
+        torch.empty(shape, dtype=dtype, requires_grad=True),
+        torch.empty(kv, dtype=dtype, requires_grad=True),
+        torch.empty(kv, dtype=dtype, requires_grad=True),
+    )
+
+
+CASES = [
+    # (device, q shape, dtype, kv heads, mask, gqa, kernels enabled, expected)
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, None, FLASH),
+    ("A100-40GB", (2, 8, 128, 64), torch.float16, None, False, False, None, FLASH),
+    ("H100-SXM", (2, 8, 128, 64), torch.float32, None, False, False, None, EFFICIENT),  # flash takes half only
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, True, False, None, EFFICIENT),  # flash takes no mask
+    ("H100-SXM", (2, 8, 128, 512), torch.bfloat16, None, False, False, None, EFFICIENT),  # flash: head dim <= 256
+    ("H100-SXM", (2, 8, 128, 60), torch.bfloat16, None, False, False, None, FLASH),
+    ("H100-SXM", (2, 8, 128, 60), torch.bfloat16, None, True, False, None, MATH),  # 60 % 8: no efficient either
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, 2, False, True, None, FLASH),  # flash runs GQA natively
+    ("H100-SXM", (2, 8, 128, 64), torch.float32, 2, False, True, None, MATH),  # efficient takes no GQA
+    ("H100-SXM", (16, 128, 64), torch.bfloat16, None, False, False, None, MATH),  # fused kernels want 4-D
+    ("V100", (2, 8, 128, 64), torch.float16, None, False, False, None, EFFICIENT),  # no flash below SM 8.0
+    ("V100", (2, 8, 128, 64), torch.bfloat16, None, False, False, None, MATH),  # nor bf16 efficient
+    ("L4", (2, 8, 128, 200), torch.bfloat16, None, False, False, None, EFFICIENT),  # SM 8.9 trains no dim 200
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.MATH], MATH),
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.EFFICIENT_ATTENTION], EFFICIENT),
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.CUDNN_ATTENTION], CUDNN),
+]
+
+
+@pytest.mark.parametrize(("device", "shape", "dtype", "kv_heads", "mask", "gqa", "enabled", "expected"), CASES)
+def test_sdpa_backend_follows_cudas_rules(
+    device: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    kv_heads: int | None,
+    mask: bool,
+    gqa: bool,
+    enabled: list[SDPBackend] | None,
+    expected: int,
+) -> None:
+    spec = get_device_spec(device)
+    with FakeTensorMode():
+        q, k, v = _qkv(shape, dtype, kv_heads)
+        attn_mask = torch.ones(shape[-2], shape[-2], dtype=torch.bool) if mask else None
+        if enabled is None:
+            got = choose_backend(spec, q, k, v, attn_mask, 0.1, False, gqa)
+        else:
+            with sdpa_kernel(enabled):
+                got = choose_backend(spec, q, k, v, attn_mask, 0.1, False, gqa)
+    assert got == expected
+
+
+def test_no_enabled_backend_takes_the_call_raises_as_cuda_does() -> None:
+    with FakeTensorMode():
+        q, k, v = _qkv((2, 8, 128, 64), torch.bfloat16)
+        mask = torch.ones(128, 128, dtype=torch.bool)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="No available kernel"):
+            choose_backend(get_device_spec("H100-SXM"), q, k, v, mask)
+
+
+def test_flash_backward_workspace_in_hand_numbers() -> None:
+    # FlashAttention-2's mha_bwd: softmax_d fp32 (b, h, s_q rounded to 128) and dq_accum fp32 (b, s_q rounded to
+    # 128, h, d rounded to 32); with GQA, dK and dV expanded to every query head in the input dtype.
+    b, h, s, d = 2, 4, 100, 48
+    with FakeTensorMode():
+        q, k, v = _qkv((b, h, s, d), torch.bfloat16)
+        args = (q, q, k, v, q, torch.empty(b, h, s), None, None, s, s, 0.0, True, None, None)
+        got = attention_workspace_bytes(aten._scaled_dot_product_flash_attention_backward.default, args, {})
+        assert got == b * h * 128 * 4 + b * 128 * h * 64 * 4
+        _, k2, v2 = _qkv((b, h, s, d), torch.bfloat16, kv_heads=1)
+        args = (q, q, k2, v2, q, torch.empty(b, h, s), None, None, s, s, 0.0, True, None, None)
+        gqa = attention_workspace_bytes(aten._scaled_dot_product_flash_attention_backward.default, args, {})
+        assert gqa == got + 2 * b * s * h * d * 2
+
+
+N, D = 4096, 1024
+
+
+def _plain(x: torch.Tensor, stack: nn.Module) -> torch.Tensor:
+    return stack.l2(torch.softmax(stack.ln(stack.l1(x)), -1))
+
+
+def _autocast_torch(x: torch.Tensor, stack: nn.Module) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return _plain(x, stack)
+
+
+def _autocast_amp(x: torch.Tensor, stack: nn.Module) -> torch.Tensor:
+    with torch.amp.autocast("cuda", dtype=torch.bfloat16):
+        return _plain(x, stack)
+
+
+@torch.autocast("cuda", dtype=torch.bfloat16)
+def _autocast_decorator(x: torch.Tensor, stack: nn.Module) -> torch.Tensor:
+    return _plain(x, stack)
+
+
+class Stack(nn.Module):
+    def __init__(self, forward: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> None:
+        super().__init__()
+        self.l1, self.ln, self.l2 = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, D)
+        self.run = forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, self)
+
+
+class TwoStacks(nn.Module):
+    def __init__(self, forward: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> None:
+        super().__init__()
+        self.s, self.t = Stack(forward), Stack(forward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.t(self.s(x))
+
+
+@pytest.mark.parametrize("forward", [_autocast_torch, _autocast_amp])
+def test_cuda_autocast_in_the_model_follows_cudas_op_lists(forward: Callable) -> None:
+    # fp32 model, Linear -> LayerNorm -> softmax -> Linear under autocast("cuda", bf16), for an H100 target. By
+    # CUDA's lists: linear in bf16, layer_norm in fp32 (its input cast up), softmax in fp32. The first stack keeps:
+    # its fp32 input cast to bf16 (2 bytes per element; the first weight's cast is not kept, the input needs no
+    # grad), layer_norm's fp32 input (4) and its fp32 mean and rstd (8 bytes per row), softmax's fp32 output (4),
+    # its bf16 cast for the second linear (2) with that linear's bf16 weight (2*D*D), and the bf16 output (2).
+    # The second stack's input is already bf16: the same without the first cast, plus its first weight's cast.
+    with torch.device("meta"):
+        model = TwoStacks(forward)
+    x = torch.empty(N, D, device="meta")
+    profile = profile_model(model, (x,), device="H100-SXM")
+    first = N * D * (2 + 4 + 4 + 2 + 2) + N * 8 + 2 * D * D
+    second = N * D * (4 + 4 + 2 + 2) + N * 8 + 2 * (2 * D * D)
+    assert profile.modules["s"].activation_bytes == first
+    assert profile.modules["t"].activation_bytes == second
+    # For the CPU the region is off on this machine (no CUDA): all fp32, layer_norm's input, softmax's output (the
+    # second linear's input too) and the output, 4 bytes each.
+    assert profile_model(model, (x,), device="cpu").modules["s"].activation_bytes == N * D * 12 + N * 8
+
+
+def test_a_cuda_autocast_decorator_built_without_cuda_is_reported() -> None:
+    # torch disabled the decorator's region when this module was imported on a machine without CUDA, forgetting
+    # whether it was asked to be enabled: the profile says so instead of guessing.
+    with torch.device("meta"):
+        model = TwoStacks(_autocast_decorator)
+    with pytest.warns(UserWarning, match="built before profiling"):
+        profile = profile_model(model, (torch.empty(N, D, device="meta"),), device="H100-SXM")
+    assert profile.modules["s"].activation_bytes == N * D * 12 + N * 8

@@ -61,8 +61,9 @@ class BudgetError(LightningSACError):
     """The memory budget is below the lowest peak any checkpointing plan reaches.
 
     Attributes:
-        minimum_bytes: The minimum achievable peak on one device, bytes.
-        unconstrained_bytes: The peak without checkpointing, bytes.
+        minimum_bytes: The minimum achievable peak on one device, bytes: the least budget a plan fits in (for a
+            CUDA target the tensors' peak plus what the device holds besides, :mod:`lightning_sac.device_reserve`).
+        unconstrained_bytes: The peak without checkpointing, bytes, counted the same way.
     """
 
     def __init__(self, message: str, *, minimum_bytes: int, unconstrained_bytes: int) -> None:

@@ -73,6 +73,10 @@ class Plan:
             when applied: it replaces the model's own checkpointing (profiled with ``replace_existing=True``).
         kv_cache_off: The profile ran the model's modules without KV caches in training (see
             :mod:`lightning_sac.caches`), so the applied plan does too, model-wide, to run what was profiled.
+        reserve: What the budget keeps for memory that is not the step's tensors on a CUDA target (CUDA context,
+            NCCL buffers, cuBLAS workspaces, allocator fragmentation), bytes by
+            :class:`~lightning_sac.device_reserve.DeviceReserve` field; empty for the CPU. The predicted peak is
+            the tensors' and stays within ``budget_bytes`` minus all of it.
     """
 
     decisions: dict[str, ModuleDecision] = field(default_factory=dict)
@@ -92,11 +96,22 @@ class Plan:
     fingerprint: str = ""
     replaces_checkpointing: list[str] = field(default_factory=list)
     kv_cache_off: bool = False
+    reserve: dict[str, int] = field(default_factory=dict)
 
     @property
     def budget_gb(self) -> float:
         """The budget in GiB."""
         return self.budget_bytes / _GIB
+
+    @property
+    def tensor_budget_bytes(self) -> int:
+        """What the step's tensors may take: the budget less the whole reserve."""
+        return self.budget_bytes - sum(self.reserve.values())
+
+    @property
+    def allocated_budget_bytes(self) -> int:
+        """What ``torch.cuda.max_memory_allocated()`` may reach: the budget less the reserve outside it."""
+        return self.tensor_budget_bytes + self.reserve.get("blas_workspace_bytes", 0)
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict."""

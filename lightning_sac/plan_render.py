@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from lightning_sac.device_reserve import DeviceReserve
+
 if TYPE_CHECKING:  # plan.py imports this module
     from lightning_sac.plan import Plan
 
@@ -84,7 +86,7 @@ def plan_unit(plan: Plan, extra: Iterable[float] = ()) -> ByteUnit:
     extra = list(extra)
     figures = [plan.budget_bytes, plan.predicted_peak_bytes, plan.unconstrained_peak_bytes, *extra]
     peaks = [plan.predicted_peak_bytes, plan.unconstrained_peak_bytes, *extra]
-    return separating_unit(choose_unit(figures), plan.budget_bytes, peaks)
+    return separating_unit(choose_unit(figures), plan.tensor_budget_bytes, peaks)
 
 
 def _placement(plan: Plan) -> str:
@@ -119,6 +121,13 @@ def _summary(plan: Plan, unit: ByteUnit) -> list[str]:
     if plan.world_size > 1:
         step += " (compute of one device; communication is not modeled)"
     lines = [f"{plan.device}, {_placement(plan)}; plan for the {plan.backend} backend", peak, step]
+    if plan.reserve:
+        reserve = DeviceReserve(**plan.reserve)
+        lines.insert(
+            2,
+            f"the budget keeps {unit(reserve.total)} for what the device holds besides the step's tensors "
+            f"({reserve.describe()}): the tensors get {unit(plan.tensor_budget_bytes)}",
+        )
     if plan.kv_cache_off:
         lines.append("the plan runs the model without KV caches in training, as it was profiled")
     if plan.replaces_checkpointing:

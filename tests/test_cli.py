@@ -249,13 +249,13 @@ def test_through_the_entry_point_in_a_temporary_folder(entry_point_runs, case):
 
 def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    argv = ["plan", FACTORY, "--budget-gb", "6", "--device", "H100-SXM", "--world-size", "8", "--sharding", "sharded"]
+    argv = ["plan", FACTORY, "--budget-gb", "7.5", "--device", "H100-SXM", "--world-size", "8", "--sharding", "sharded"]
     assert main([*argv, "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     cli = Plan.from_json(path.read_text())
     model, inputs, loss_fn, optimizer_factory = gpt_example()
     profile = profile_model(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device="H100-SXM")
-    direct = solve_plan(profile, 6, world_size=8, sharding="sharded")
+    direct = solve_plan(profile, 7.5, world_size=8, sharding="sharded")
     assert cli.decisions == direct.decisions and cli.decisions
     assert (cli.predicted_peak_bytes, cli.unconstrained_peak_bytes) == (
         direct.predicted_peak_bytes,
@@ -265,14 +265,17 @@ def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
     assert f"{direct.predicted_peak_bytes / GIB:.3f} GiB with the plan" in printed
     assert f"peak {profile.peak_bytes / GIB:.3f} GiB" in printed  # the profile's: one device, whole model
     assert "world size 8, sharded" in printed and "(sharded, world size 8)" in printed
+    # The budget keeps the device's reserve (CUDA context, NCCL on 8 ranks, cuBLAS, fragmentation): said, in GiB.
+    assert cli.reserve == direct.reserve and cli.reserve["nccl_bytes"] == 1088 * 2**20
+    assert f"the tensors get {cli.tensor_budget_bytes / GIB:.3f} GiB" in printed
     assert printed.count("AutoSAC") == 0 and printed.count("recompute ms") == 2  # header, legend: once
     # --backend: the plan for that backend (SAC's recompute also brings back a copy of a module's output, the
     # graph backend's does not, so the choice may differ), and under one policy graph reruns no more than SAC.
     assert main([*argv, "--backend", "graph", "--json", str(path)]) == 0
     graph = Plan.from_json(path.read_text())
-    direct_graph = solve_plan(profile, 6, world_size=8, sharding="sharded", backend="graph")
+    direct_graph = solve_plan(profile, 7.5, world_size=8, sharding="sharded", backend="graph")
     assert graph.backend == "graph" and graph.decisions == direct_graph.decisions and graph.decisions
-    assert graph.predicted_peak_bytes <= graph.budget_bytes
+    assert graph.predicted_peak_bytes <= graph.tensor_budget_bytes
     for fqn, d in cli.decisions.items():
         stats = profile.modules[fqn].op_stats
         assert recompute_ms(stats, d.op_policy, "graph") <= d.recompute_ms

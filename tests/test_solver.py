@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import adamw, gpt_case
 
 from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, profile_model, solve_plan
+from lightning_sac.device_reserve import DeviceReserve, device_reserve
 from lightning_sac.devices import get_device_spec
 from lightning_sac.profiling.data import TimelineEvent, empty_snapshot
 from lightning_sac.solver.memory_model import device_bytes
@@ -72,8 +75,10 @@ def hand_profile() -> ModelProfile:
         TimelineEvent(kind=k, name=n, at=snap(at), peak_after={} if peak is None else snap(peak))
         for k, n, at, peak in TIMELINE
     ]
+    # The solver's arithmetic by hand: an H100 without the device's reserve (tested on its own below).
+    h100 = replace(get_device_spec("H100-SXM"), context_bytes=0, blas_workspace_bytes=0, nccl_bytes=0)
     return ModelProfile(
-        device=get_device_spec("H100-SXM"),
+        device=h100,
         estimate="roofline",
         modules={"": root, "a": a, "b": b},
         timeline=timeline,
@@ -150,6 +155,29 @@ def test_infeasible_budget_names_minimum_and_unconstrained_peaks(budget_mib, min
     assert info.value.minimum_bytes == pytest.approx(minimum_mib * MIB, abs=1024)
     assert info.value.unconstrained_bytes == 260 * MIB
     assert f"{minimum_mib * MIB / GIB:.3f} GiB" in str(info.value)
+
+
+def test_the_budget_keeps_the_devices_reserve_by_hand():
+    # The same step on a real H100 entry: the budget also holds the CUDA context (512 MiB), two cuBLAS workspaces
+    # of 32 MiB (SM 9.0's :4096:8; the forward's thread and autograd's each get one) and, on 8 processes, one NCCL
+    # communicator's buffers (1088 MiB). The tensors get what is left: a budget raised by exactly the reserve gives
+    # exactly the plan of the reserve-free device.
+    profile = replace(hand_profile(), device=get_device_spec("H100-SXM"))
+    reserve = device_reserve(profile, 1)
+    assert reserve == DeviceReserve(context_bytes=512 * MIB, blas_workspace_bytes=64 * MIB)
+    assert device_reserve(profile, 8).nccl_bytes == 1088 * MIB
+    plan = solve_plan(profile, (220 + 576) * MIB / GIB, candidates=["a", "b"])
+    bare = solve_plan(hand_profile(), 220 * MIB / GIB, candidates=["a", "b"])
+    assert plan.decisions == bare.decisions and plan.predicted_peak_bytes == bare.predicted_peak_bytes == 210 * MIB
+    assert plan.reserve == reserve.to_dict() and plan.tensor_budget_bytes == 220 * MIB
+    assert plan.allocated_budget_bytes == (220 + 64) * MIB  # what torch.cuda.max_memory_allocated() may reach
+    # The least budget a plan fits in counts the reserve too.
+    with pytest.raises(BudgetError, match=r"the tensors' 0\.186 GiB plus 0\.562 GiB the device holds") as info:
+        solve_plan(profile, 700 * MIB / GIB, candidates=["a", "b"])
+    assert info.value.minimum_bytes == pytest.approx((190 + 576) * MIB, abs=1024)
+    # Fragmentation: what the allocator model reserved beyond the tensors' peak is kept as well.
+    fragmented = replace(profile, reserved_peak_bytes=profile.peak_bytes + 20 * MIB)
+    assert device_reserve(fragmented).fragmentation_bytes == 20 * MIB
 
 
 def test_sharded_divides_parameters_gradients_and_optimizer_state():

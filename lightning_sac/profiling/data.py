@@ -232,6 +232,8 @@ class ModelProfile:
         backward_post_order: Fqns in the order their backward finished.
         peak_bytes: Highest total of live tensor bytes on the device during the step, parameters, optimizer
             state and inputs included.
+        reserved_peak_bytes: For a CUDA target, the most the caching allocator model reserved while replaying the
+            step's allocations and frees (:mod:`lightning_sac.profiling.cuda_allocator`); 0 for the CPU.
         peak_breakdown: That total by category.
         peak_location: Where the peak happened: phase (``forward``, ``backward``, ``optimizer``) and the
             innermost running module, e.g. ``"backward:blocks.1.attn"`` (``<outside modules>``: the loss).
@@ -282,6 +284,7 @@ class ModelProfile:
     backward_pre_order: list[str] = field(default_factory=list)
     backward_post_order: list[str] = field(default_factory=list)
     peak_bytes: int = 0
+    reserved_peak_bytes: int = 0
     peak_breakdown: MemorySnapshot = field(default_factory=empty_snapshot)
     peak_location: str = ""
     forward_ms: float = 0.0

@@ -191,6 +191,7 @@ def profile_step(
         backward_pre_order=recorder.orders["bwd_pre"],
         backward_post_order=recorder.orders["bwd_post"],
         peak_bytes=memory.peak.peak_total,
+        reserved_peak_bytes=0 if memory.allocator is None else memory.allocator.peak_reserved,
         peak_breakdown=memory.peak.peak_snapshot,
         peak_location=memory.peak_location,
         forward_ms=recorder.phase_ms["forward"],

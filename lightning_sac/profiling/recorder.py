@@ -12,6 +12,7 @@ dispatch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.errors import ProfilingError, user_source_line
+from lightning_sac.profiling.cuda_allocator import AllocatorConfig, CachingAllocatorModel
 from lightning_sac.profiling.data import TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
 from lightning_sac.profiling.module_hooks import ModuleHooks
@@ -41,6 +43,11 @@ from lightning_sac.profiling.runtime import RuntimeEstimator
 __all__ = ["StepRecorder"]
 
 _NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}
+
+
+def _alloc_conf() -> str | None:
+    # torch reads PYTORCH_ALLOC_CONF first; PYTORCH_CUDA_ALLOC_CONF is its older, deprecated name.
+    return os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 class StepRecorder(ModuleHooks, TorchDispatchMode):
@@ -71,7 +78,11 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self.spec = spec
         self.estimator = estimator
         self.phase = "setup"
-        self.memory = LiveMemory(spec.round_bytes, self._location, on_free=self._on_free)
+        # A CUDA target's caching allocator is replayed for what it reserves beyond the tensors (fragmentation).
+        allocator = CachingAllocatorModel(AllocatorConfig.from_env(_alloc_conf()))
+        self.memory = LiveMemory(
+            spec.round_bytes, self._location, on_free=self._on_free, allocator=allocator if spec.is_cuda else None
+        )
         self.cum_ms = 0.0
         self._phase_start_ms = 0.0
         self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

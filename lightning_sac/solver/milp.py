@@ -17,6 +17,7 @@ from lightning_sac.apply.recompute import (
     recompute_transient,
     rerun_output_bytes,
 )
+from lightning_sac.device_reserve import device_reserve
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
 from lightning_sac.profiling.data import ModelProfile
@@ -233,7 +234,9 @@ def solve_plan(
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
     if not budget_gb > 0:
         raise ValueError(f"budget_gb must be positive, got {budget_gb}.")
-    budget = int(budget_gb * _GIB)
+    reserve = device_reserve(profile, world_size)
+    # The step's tensors get what the device holds for nothing else (see lightning_sac.device_reserve).
+    budget = int(budget_gb * _GIB) - reserve.total
     cands = find_candidates(profile, candidates, n_segments, backend)
     windows = {c.fqn: c.window for c in cands}
     constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
@@ -243,7 +246,8 @@ def solve_plan(
     if profile.kv_cache_peak is not None:
         plain = device_model(profile, world_size, sharding)(0, profile.kv_cache_peak)
     plan = Plan(
-        budget_bytes=budget,
+        budget_bytes=int(budget_gb * _GIB),
+        reserve=reserve.to_dict() if reserve.total else {},
         world_size=world_size,
         sharding=sharding,
         device=profile.device.name,
@@ -301,10 +305,15 @@ def solve_plan(
         peak = _peak(profile, constraints, decisions, backend)
         if peak > budget:
             minimum = min(peak, _minimum_peak(cands, constraints)[0])
+            kept = (
+                f" (the tensors' {minimum / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
+                f"besides: {reserve.describe()})"
+            )
             raise BudgetError(
                 f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
-                f"{minimum / _GIB:.3f} GiB (the unconstrained peak is {plain / _GIB:.3f} GiB on "
-                f"{profile.device.name}, world size {world_size}, {sharding}). Raise the budget, use a smaller "
+                f"{(minimum + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
+                f"peak is {(plain + reserve.total) / _GIB:.3f} GiB on {profile.device.name}, world size "
+                f"{world_size}, {sharding}). Raise the budget, use a smaller "
                 "batch or shorter sequences, "
                 + (
                     "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
@@ -312,8 +321,8 @@ def solve_plan(
                     else f"shard them over more devices (world_size above {world_size})"
                 )
                 + more_candidates_hint(profile),
-                minimum_bytes=int(math.ceil(minimum)),
-                unconstrained_bytes=plain,
+                minimum_bytes=int(math.ceil(minimum)) + reserve.total,
+                unconstrained_bytes=plain + reserve.total,
             )
         plan.decisions, plan.predicted_peak_bytes = decisions, peak
         status_text, gap = "Optimal (lowest peak)", 0.0

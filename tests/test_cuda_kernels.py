@@ -164,3 +164,19 @@ def test_a_cuda_autocast_decorator_built_without_cuda_is_reported() -> None:
     with pytest.warns(UserWarning, match="built before profiling"):
         profile = profile_model(model, (torch.empty(N, D, device="meta"),), device="H100-SXM")
     assert profile.modules["s"].activation_bytes == N * D * 12 + N * 8
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_adamw_step_counters_stay_on_the_host_for_a_gpu_target(fused: bool) -> None:
+    # torch keeps AdamW's scalar `step` on the host unless the group is fused or capturable: on a GPU only the two
+    # moments take device memory (each a parameter's size here: every tensor a multiple of 512 bytes).
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    profile = profile_model(
+        model,
+        (torch.randn(8, 256),),
+        optimizer_factory=lambda ps: torch.optim.AdamW(ps, fused=fused),
+        device="H100-SXM",
+    )
+    root = profile.modules[""]
+    steps = 4 * 512 if fused else 0  # a fused group keeps each parameter's step on the device, one 512-byte block
+    assert root.optimizer_state_bytes == 2 * root.parameter_bytes + steps

@@ -179,7 +179,9 @@ def profile_step(
         prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
         prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
         prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
-        prof.optimizer_state_bytes = _unique_storage_bytes(optimizer_state(optimizers, mod_params), spec)
+        prof.optimizer_state_bytes = _unique_storage_bytes(
+            optimizer_state(optimizers, mod_params, on_gpu=spec.is_cuda), spec
+        )
 
     memory = recorder.memory
     profile = ModelProfile(

@@ -90,11 +90,30 @@ class RecordedStep:
 
 
 def optimizer_state(
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, params: list[nn.Parameter]
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    params: list[nn.Parameter],
+    *,
+    on_gpu: bool = False,
 ) -> list[torch.Tensor]:
-    """The state tensors of ``params`` in the optimizer (or in each of the optimizers)."""
-    opts = _as_list(optimizers)
-    return [v for o in opts for p in params for v in o.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    """The state tensors of ``params`` in the optimizer (or in each of the optimizers).
+
+    Args:
+        optimizers: The optimizer(s).
+        params: Whose state.
+        on_gpu: Only the tensors that live on a GPU when the parameters do: torch's optimizers keep a scalar
+            ``step`` on the host unless the group is ``capturable`` or ``fused`` (Adam, AdamW and others'
+            ``_init_group``), which the dry run on CPU tensors cannot tell apart.
+    """
+    out = []
+    for o in _as_list(optimizers):
+        groups = {id(q): g for g in o.param_groups for q in g["params"]}
+        for p in params:
+            group = groups.get(id(p), {})
+            host_step = on_gpu and not (group.get("capturable") or group.get("fused"))
+            for key, v in o.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and not (host_step and key == "step" and v.dim() == 0):
+                    out.append(v)
+    return out
 
 
 def _as_list(
@@ -209,7 +228,7 @@ def record_step(
             recorder.track_existing(params, "parameter")
             recorder.track_existing(list(fmodel.buffers()), "buffer")
             recorder.track_existing([p.grad for p in params if p.grad is not None], "gradient")
-            recorder.track_existing(optimizer_state(optimizers, params), "optimizer_state")
+            recorder.track_existing(optimizer_state(optimizers, params, on_gpu=spec.is_cuda), "optimizer_state")
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
 

@@ -1,0 +1,1 @@
+"""GPU-only tests: skipped without CUDA (see conftest.py and README.md)."""

@@ -156,7 +156,8 @@ def test_cuda_target_rounds_every_allocation_to_512_bytes():
     p = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="H100-SXM")
     ln = p.modules["blocks.0.ln_1"]  # weight and bias of 128 fp32 = 512 bytes each
     assert ln.parameter_bytes == 1024
-    assert ln.optimizer_state_bytes == 4 * 512 + 2 * 512  # the 4-byte step tensors take 512 bytes each
+    # Two moments per parameter; AdamW's 4-byte step counters stay on the host (not fused, not capturable).
+    assert ln.optimizer_state_bytes == 4 * 512
     for name in p.modules:
         stats = p.modules[name].op_stats
         if stats is not None:

@@ -14,7 +14,13 @@ from lightning_sac.profiling.calibrate import calibrate_modules
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.overhead import measure_backend_overheads
 from lightning_sac.profiling.placeholders import record_checked
-from lightning_sac.profiling.recorded_step import MakeOptimizers, StepSpec, optimizer_state, record_step
+from lightning_sac.profiling.recorded_step import (
+    MakeOptimizers,
+    StepSpec,
+    host_step_params,
+    optimizer_state,
+    record_step,
+)
 from lightning_sac.profiling.runtime import make_estimator
 from lightning_sac.profiling.step import (
     ComputeLoss,
@@ -174,13 +180,14 @@ def profile_step(
     manual = manual_step is not None
     modules = recorder.modules()
     named = dict(fmodel.named_modules())
+    host_steps = host_step_params(optimizers) if spec.is_cuda else set()
     for fqn, prof in modules.items():
         mod_params = list(named[fqn].parameters())
         prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
         prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
         prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
         prof.optimizer_state_bytes = _unique_storage_bytes(
-            optimizer_state(optimizers, mod_params, on_gpu=spec.is_cuda), spec
+            optimizer_state(optimizers, mod_params, host_steps=host_steps), spec
         )
 
     memory = recorder.memory

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,27 +94,39 @@ def optimizer_state(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     params: list[nn.Parameter],
     *,
-    on_gpu: bool = False,
+    host_steps: AbstractSet[int] = frozenset(),
 ) -> list[torch.Tensor]:
     """The state tensors of ``params`` in the optimizer (or in each of the optimizers).
 
     Args:
         optimizers: The optimizer(s).
         params: Whose state.
-        on_gpu: Only the tensors that live on a GPU when the parameters do: torch's optimizers keep a scalar
-            ``step`` on the host unless the group is ``capturable`` or ``fused`` (Adam, AdamW and others'
-            ``_init_group``), which the dry run on CPU tensors cannot tell apart.
+        host_steps: Ids of the parameters whose scalar ``step`` is left out, as it lives on the host
+            (:func:`host_step_params`).
     """
     out = []
     for o in _as_list(optimizers):
-        groups = {id(q): g for g in o.param_groups for q in g["params"]}
         for p in params:
-            group = groups.get(id(p), {})
-            host_step = on_gpu and not (group.get("capturable") or group.get("fused"))
+            host_step = id(p) in host_steps
             for key, v in o.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and not (host_step and key == "step" and v.dim() == 0):
                     out.append(v)
     return out
+
+
+def host_step_params(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> set[int]:
+    """Ids of the parameters whose optimizer keeps its scalar ``step`` on the host when they are on a GPU.
+
+    torch's optimizers do unless the group is ``capturable`` or ``fused`` (Adam, AdamW and others'
+    ``_init_group``), which the dry run on CPU tensors cannot tell apart.
+    """
+    return {
+        id(q)
+        for o in _as_list(optimizers)
+        for g in o.param_groups
+        if not (g.get("capturable") or g.get("fused"))
+        for q in g["params"]
+    }
 
 
 def _as_list(
@@ -228,7 +241,8 @@ def record_step(
             recorder.track_existing(params, "parameter")
             recorder.track_existing(list(fmodel.buffers()), "buffer")
             recorder.track_existing([p.grad for p in params if p.grad is not None], "gradient")
-            recorder.track_existing(optimizer_state(optimizers, params, on_gpu=spec.is_cuda), "optimizer_state")
+            host_steps = host_step_params(optimizers) if spec.is_cuda else set()
+            recorder.track_existing(optimizer_state(optimizers, params, host_steps=host_steps), "optimizer_state")
             recorder.track_existing(tensors_of(finputs), "other")
             recorder.watch_gradients(params)
 

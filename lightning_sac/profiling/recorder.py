@@ -79,10 +79,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self.estimator = estimator
         self.phase = "setup"
         # A CUDA target's caching allocator is replayed for what it reserves beyond the tensors (fragmentation).
-        allocator = CachingAllocatorModel(AllocatorConfig.from_env(_alloc_conf()))
-        self.memory = LiveMemory(
-            spec.round_bytes, self._location, on_free=self._on_free, allocator=allocator if spec.is_cuda else None
-        )
+        allocator = CachingAllocatorModel(AllocatorConfig.from_env(_alloc_conf())) if spec.is_cuda else None
+        self.memory = LiveMemory(spec.round_bytes, self._location, on_free=self._on_free, allocator=allocator)
         self.cum_ms = 0.0
         self._phase_start_ms = 0.0
         self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

@@ -89,24 +89,45 @@ def hand_profile() -> ModelProfile:
 
 
 def recheck_peak(profile: ModelProfile, plan: Plan) -> int:
-    """The plan's peak straight from the timeline, without the solver's memory model."""
+    """The plan's peak straight from the timeline and the op lifetimes, without the solver's memory model.
+
+    A checkpointed module's activations are gone from its forward's end to its backward's start, less what its
+    policy saves; on a CPU it holds the generator state ``torch.utils.checkpoint`` stashes from its forward's
+    start to its backward's end; at its backward's start its recompute reruns its ops in order, each rerun
+    discarded activation coming back at its op and each rerun temporary alive for its forward span.
+    """
     index = {(e.kind, e.name): k for k, e in enumerate(profile.timeline)}
-    peak = 0
-    for k, e in enumerate(profile.timeline[:-1]):
-        value = sum(e.peak_after.values())
+    state = torch.get_rng_state().nbytes if not profile.device.is_cuda else 0
+
+    def others(k: int, value: int) -> int:
         for fqn, d in plan.decisions.items():
             if index[("fwd_post", fqn)] <= k < index[("bwd_pre", fqn)]:
                 value -= d.freed_bytes
-        peak = max(peak, value)
-    for fqn in plan.decisions:  # recompute at the start of each checkpointed module's backward
+            if index[("fwd_pre", fqn)] <= k < index[("bwd_post", fqn)]:
+                value += state
+        return value
+
+    peak = max(others(k, sum(e.peak_after.values())) for k, e in enumerate(profile.timeline[:-1]))
+    for fqn, d in plan.decisions.items():
         k = index[("bwd_pre", fqn)]
-        m = profile.modules[fqn]
-        value = sum(profile.timeline[k].at.values())
-        value += sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values())
-        for other, d in plan.decisions.items():
-            if index[("fwd_post", other)] <= k < index[("bwd_pre", other)]:
-                value -= d.freed_bytes
-        peak = max(peak, value)
+        m, s = profile.modules[fqn], profile.modules[fqn].op_stats
+        if len(s.freed_at) != len(s.func_names):  # no op lifetimes (an older profile): the forward's temporaries
+            rise = sum(m.memory["peak_forward"].values()) - sum(m.memory["post_forward"].values())
+            peak = max(peak, others(k, sum(profile.timeline[k].at.values())) + rise)
+            continue
+        stop = len(s.func_names) if s.recompute_stop is None else s.recompute_stop
+        rerun = [i < stop and not d.op_policy[i] for i in range(len(s.func_names))]
+        temp = [s.freed_at[i] >= 0 for i in range(len(s.func_names))]
+        saved_temps = sum(s.memory[i] for i in range(len(s.func_names)) if d.op_policy[i] and temp[i])
+        out = s.output_ops[-1]
+        rise = max(
+            saved_temps
+            + sum(s.memory[j] for j in range(i + 1) if rerun[j] and temp[j] and s.freed_at[j] > i)
+            - sum(s.memory[j] for j in range(i + 1, stop) if rerun[j] and not temp[j] and j not in s.output_ops)
+            + (s.memory[out] if rerun[out] and out <= i else 0)
+            for i in range(stop)
+        )
+        peak = max(peak, others(k, sum(profile.timeline[k].at.values())) + rise)
     return peak
 
 

@@ -61,9 +61,11 @@ class CallState:
         random_saved: Whether the call's random ops are saved (the first one's decision; all follow it).
         saved: Storages of the outputs of the ops saved so far (known when the backend passes outputs).
         made: Storages of the outputs of every op so far (likewise).
+        unobserved: Whether the call ran without a policy asked about its ops (a plain checkpoint).
     """
 
     def __init__(self) -> None:
+        self.unobserved = False
         self.index = 0
         self.mismatch: str | None = None
         self.random_saved: bool | None = None
@@ -183,6 +185,8 @@ class PlannedForward:
 
     def finish(self, state: CallState) -> None:
         """End an eager call: record, and warn once, when it ran other ops than the profiled ones."""
+        if state.unobserved:
+            return
         if state.mismatch is None and state.index != len(self.names):
             state.mismatch = f"it ran {state.index} ops, the profile has {len(self.names)}"
         if state.mismatch is None:

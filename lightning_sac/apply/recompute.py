@@ -30,6 +30,7 @@ __all__ = [
     "rerun_output_bytes",
     "fixed_overhead_ms",
     "overhead_ms",
+    "whole_overhead_ms",
     "recompute_costs",
     "recompute_ms",
     "recomputed_ops",
@@ -117,26 +118,44 @@ def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backe
 
 
 def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int | None:
-    """Bytes a recompute of the module holds at once besides the activations it brings back, or ``None``.
+    """How far a recompute of the module rises above the activations the plain step keeps, bytes, or ``None``.
 
-    The temporaries of the ops it reruns (outputs its forward made and freed again, alive for the same span as in
-    the forward: the rerun is the same code) and a second copy of the module's output
-    (:func:`rerun_output_bytes`). With ``policy`` ``None`` every op counts as rerun (a bound). The SAC count,
-    an upper bound for the graph backend (which frees each node's cache at its last consumer). ``None`` for a
-    profile without op lifetimes.
+    The memory model counts the module's plain activations at its backward's start; a recompute replaces those
+    the policy discards as it reruns them, in the forward's order. At rerun op ``i`` the module holds, beyond
+    the plain activations: the temporaries the policy saves (the checkpoint's cache keeps them from the forward
+    on), the rerun ops' temporaries alive at ``i`` (for the same span as in the forward: the rerun is the same
+    code), a second copy of the module's output once its output op reran (:func:`rerun_output_bytes`), less the
+    discarded activations not yet rebuilt. The highest of that over the rerun is the answer: it may be negative
+    when a recompute never rebuilds everything at once. With ``policy`` ``None`` every op counts as rerun.
+    Counted for SAC (which reruns everything up to its early stop), an upper bound for the graph backend (which
+    reruns only what backward unpacks and frees each node's cache at its last consumer). ``None`` for a profile
+    without op lifetimes.
     """
-    if len(stats.freed_at) != len(stats.func_names):
+    n = len(stats.func_names)
+    if len(stats.freed_at) != n:
         return None
+    stop = _stop(stats)
+    out = output_op(stats)
+    outputs = set(stats.output_ops) | ({out} if out is not None else set())
+    saved_temps = sum(
+        m for i, m in enumerate(stats.memory) if policy is not None and policy[i] and stats.freed_at[i] >= 0
+    )
     events: list[tuple[int, int]] = []
-    for i in range(_stop(stats)):
-        end = stats.freed_at[i]
-        if end >= 0 and stats.memory[i] and (policy is None or not policy[i]):
-            events += [(i, stats.memory[i]), (end, -stats.memory[i])]
-    alive = peak = 0
+    missing = 0  # discarded activations not rebuilt yet
+    for i in range(stop):
+        m = stats.memory[i]
+        if not m or (policy is not None and policy[i]):
+            continue
+        if stats.freed_at[i] >= 0:
+            events += [(i, m), (stats.freed_at[i], -m)]
+        elif i not in outputs:
+            missing += m
+            events.append((i, m))
+    alive, peak = saved_temps - missing, None
     for _, delta in sorted(events):  # at one index, frees (negative) first
         alive += delta
-        peak = max(peak, alive)
-    return peak + rerun_output_bytes(stats, policy, backend)
+        peak = alive if peak is None else max(peak, alive)
+    return (saved_temps if peak is None else peak) + rerun_output_bytes(stats, policy, backend)
 
 
 def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:
@@ -162,6 +181,24 @@ def fixed_overhead_ms(
     return (len(stats.func_names) * forward_us + rerun) / 1e3
 
 
+def whole_overhead_ms(
+    stats: ModuleOpStats, policy: Sequence[int], backend: str, measured: Sequence[float] | None = None
+) -> float | None:
+    """The host time of a policy that saves nothing run as a plain checkpoint, besides its recompute, ms.
+
+    The SAC backend runs such a policy without a selective policy's dispatch modes
+    (:mod:`lightning_sac.apply.sac`). Measured, it is the module's ``whole_ms`` (the third entry of
+    :attr:`ModuleProfile.measured_overhead`, recompute included) less the predicted recompute: negative when
+    the real rerun is faster than the profile's op times. Unmeasured, none: a plain checkpoint adds no work per
+    op. ``None`` when ``policy`` saves something or the backend is not SAC.
+    """
+    if backend != "sac" or any(policy):
+        return None
+    if measured and len(measured) > 2:
+        return measured[2] - recompute_ms(stats, policy, backend)
+    return 0.0
+
+
 def overhead_ms(
     stats: ModuleOpStats,
     policy: Sequence[int],
@@ -171,10 +208,14 @@ def overhead_ms(
 ) -> float:
     """The backend's host time for the module under ``policy``, besides :func:`recompute_ms`, ms.
 
-    With ``measured`` (``[fixed_ms, recompute_factor]``), ``fixed_ms`` and the share of the recompute that the
+    A policy that saves nothing runs as a plain checkpoint on SAC: :func:`whole_overhead_ms`. Otherwise, with
+    ``measured`` (``[fixed_ms, recompute_factor, ...]``), ``fixed_ms`` and the share of the recompute that the
     module's real rerun took beyond the profile's op times: ``(recompute_factor - 1) * recompute_ms``.
     Otherwise :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
     """
+    whole = whole_overhead_ms(stats, policy, backend, measured)
+    if whole is not None:
+        return whole
     fixed = fixed_overhead_ms(stats, backend, per_op_us, measured)
     if measured:
         return fixed + (measured[1] - 1.0) * recompute_ms(stats, policy, backend)

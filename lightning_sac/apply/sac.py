@@ -4,28 +4,106 @@ The module's ``forward`` is replaced by an instance attribute that calls the cla
 non-reentrant checkpoint; deleting the attribute restores the module exactly. Nothing is re-registered, so
 parameters, module names and ``state_dict`` keys never change and checkpoints load with or without a plan.
 Under ``torch.compile`` the wrapper takes :meth:`PlannedForward.run_traced` instead (:mod:`lightning_sac.apply.traced`).
+
+A module whose policy saves nothing runs a plain checkpoint, without a selective policy: the same recompute,
+without the dispatch modes a policy needs, which cost a Python call per op and, because ATen sees every tensor
+as a subclass under them, slower out-of-place paths in composite ops (1.2-1.3x a GPT block's time on a CPU).
+A plain checkpoint cannot see which ops a call runs, so each new kind of call (training flags, autocast,
+argument shapes and values) runs once under the policy first: when it runs the profiled ops, later calls of its
+kind run plainly; when it runs others, they keep the policy, whose fallback saves what must not run twice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_sac.apply.planned import CallState, PlannedForward
+from lightning_sac.plan import ModuleDecision
 
-__all__ = ["SelectiveCheckpointForward"]
+__all__ = ["SelectiveCheckpointForward", "runs_whole", "whole_checkpoints"]
+
+_WHOLE = contextvars.ContextVar("lightning_sac_whole_checkpoints", default=True)
+# Kinds of call remembered per module; past it the memory starts over (each kind is then observed once more).
+_MAX_KINDS = 64
+_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _call_kind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What decides a call's code path, as far as it is cheap to see: flags, autocast, arguments' layout."""
+    leaves = tuple(
+        (tuple(x.shape), x.dtype, x.requires_grad)
+        if isinstance(x, torch.Tensor)
+        else (x if isinstance(x, _SCALARS) else type(x).__name__)
+        for x in tree_leaves((args, kwargs))
+    )
+    flags = tuple(m.training for m in module.modules())
+    autocast = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+    return flags, autocast, tuple(kwargs), leaves
+
+
+@contextlib.contextmanager
+def whole_checkpoints(enabled: bool) -> Iterator[None]:
+    """Whether wrappers made inside may run a policy that saves nothing as a plain checkpoint (default yes).
+
+    Off, they run it under a selective policy like any other: what the profile's calibration measures to tell
+    the two costs apart.
+    """
+    token = _WHOLE.set(enabled)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+def runs_whole(module: nn.Module, decision: ModuleDecision) -> bool:
+    """Whether ``module`` under ``decision`` can run a plain checkpoint: its policy saves nothing.
+
+    Not for a module holding running statistics (BatchNorm and its kind): a plain checkpoint would update them
+    a second time in recompute, whatever code path the call takes, where a selective policy saves that op.
+    """
+    if any(decision.op_policy):
+        return False
+    return not any(isinstance(m, _NormBase) and m.track_running_stats for m in module.modules())
 
 
 class SelectiveCheckpointForward(PlannedForward):
     """A module's forward run under a non-reentrant checkpoint that saves exactly the ops the plan saves.
 
-    Each call gets fresh ``create_selective_checkpoint_contexts`` whose policy is :meth:`PlannedForward.decide`.
+    Each call gets fresh ``create_selective_checkpoint_contexts`` whose policy is :meth:`PlannedForward.decide`;
+    a module whose policy saves nothing runs a plain checkpoint (see the module docstring), whose calls are not
+    matched against the profiled ops: with nothing saved, every op is recomputed whichever ran.
     """
 
-    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
-        """Run the forward under ``torch.utils.checkpoint`` with the selective policy."""
+    def __init__(self, module: nn.Module, fqn: str, decision: ModuleDecision, notices: Any = None) -> None:
+        super().__init__(module, fqn, decision, notices)
+        self.whole = _WHOLE.get() and runs_whole(module, decision)
+        # Per kind of call (see _call_kind): whether its observed call ran the profiled ops.
+        self.kinds: dict[tuple[Any, ...], bool] = {}
 
+    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
+        """Run the forward under ``torch.utils.checkpoint``: with the selective policy, or plainly."""
+        if not self.whole:
+            return self._selective(state, *args, **kwargs)
+        kind = _call_kind(self.module, args, kwargs)
+        if self.kinds.get(kind):
+            state.unobserved = True
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        out = self._selective(state, *args, **kwargs)
+        if len(self.kinds) >= _MAX_KINDS:
+            self.kinds.clear()
+        self.kinds[kind] = state.mismatch is None and state.index == len(self.names)
+        return out
+
+    def _selective(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
         def contexts() -> tuple[Any, Any]:
             # A fresh call state for the forward; recompute reads SAC's cache and does not ask the policy.
             # An in-place op shares its parent's decision, so a saved parent's cache entry is mutated by its

@@ -17,7 +17,10 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 * ``fixed_ms``: the keep-all step minus the plain one: what wrapping costs whatever the policy;
 * ``recompute_factor``: the recompute-all backward minus the keep-all one, over the recompute the profile
   predicts for that policy (:func:`lightning_sac.recompute.recompute_ms`): how much slower the rerun is for
-  real (0.9-1.1 on a GPT block here).
+  real (0.9-1.1 on a GPT block here);
+* for SAC, when the module's most-discarding policy saves nothing, a third, ``whole_ms``: what that policy
+  costs in all (recompute included) when it runs as the plain checkpoint it is applied as
+  (:mod:`lightning_sac.apply.sac`), without the selective policy's dispatch modes.
 
 A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.recompute.overhead_ms`).
 Modules are measured once per class, parameter shapes and input signature, in interleaved rounds, fastest of
@@ -168,6 +171,7 @@ def _measure(
 ) -> dict[str, list[float]]:
     # The appliers and the knapsack import the profiler's data model: imported here to avoid a cycle.
     from lightning_sac.apply import apply_plan
+    from lightning_sac.apply.sac import runs_whole, whole_checkpoints
     from lightning_sac.solver.knapsack import optimal_op_policy
 
     stats = prof.op_stats
@@ -177,6 +181,11 @@ def _measure(
     policies = {"keep": [1] * n, "recompute": optimal_op_policy(stats, 0.0)}
     plans = {which: whole_module_plan(stats.func_names, policy) for which, policy in policies.items()}
     configs: list[tuple[str, str]] = [("plain", "")] + [(b, p) for b in BACKENDS for p in policies]
+    # A policy that saves nothing runs a plain checkpoint (lightning_sac.apply.sac), timed on its own.
+    whole = not any(policies["recompute"]) and runs_whole(module, plans["recompute"].decisions[""])
+    if whole:
+        configs.append(("sac", "whole"))
+        plans["whole"] = plans["recompute"]
     # Fastest whole step, and fastest backward, of each configuration.
     best = dict.fromkeys(configs, math.inf)
     best_backward = dict.fromkeys(configs, math.inf)
@@ -191,7 +200,10 @@ def _measure(
             rounds += 1
             for backend, which in configs:
                 if which:
-                    with apply_plan(twin, plans[which], backend=backend) as handle:
+                    plan = plans[which]
+                    with whole_checkpoints(which == "whole"), apply_plan(twin, plan, backend=backend) as handle:
+                        if which == "whole":  # a kind of call runs once under the policy first (apply.sac)
+                            _step(twin, args, kwargs, autocast)
                         took, backward = _step(twin, args, kwargs, autocast)
                     mismatch = handle.wrappers[""].last_mismatch
                     if mismatch is not None:
@@ -213,6 +225,8 @@ def _measure(
         predicted = recompute_ms(stats, policies["recompute"], backend)
         factor = rerun * 1e3 / predicted if predicted > 0 else 1.0
         result[backend] = [max(0.0, best[backend, "keep"] - plain) * 1e3, max(0.0, factor)]
+    if whole:
+        result["sac"].append((best["sac", "whole"] - plain) * 1e3)
     return result
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from lightning_sac.profiling.data import MemorySnapshot, ModelProfile, ModuleProfile
 from lightning_sac.sharding.memory import ShardedStep
 
@@ -27,6 +29,7 @@ __all__ = [
     "OnDevice",
     "activation_windows",
     "backward_ends",
+    "checkpoint_state_bytes",
     "constant_floor",
     "ddp_bucket_bytes",
     "device_bytes",
@@ -95,6 +98,27 @@ def _held(module: ModuleProfile) -> list[list[int]]:
     stats = module.op_stats
     keeps_output = stats is not None and bool(stats.output_ops) and stats.output_ops[-1] in stats.stateful_ops
     return module.freed_inputs + (module.freed_outputs if keeps_output else [])
+
+
+def checkpoint_state_bytes(profile: ModelProfile) -> int:
+    """Device bytes one checkpoint region keeps from its forward until its backward, besides activations.
+
+    ``torch.utils.checkpoint`` (and the graph backend for a region with random ops) stashes the CPU generator's
+    state, a ``uint8`` tensor of a few KiB, to replay the region's random ops: memory of the target itself when
+    the target is this CPU, host memory (not counted) for a GPU, whose own generator state is stashed on the
+    host too.
+    """
+    if profile.device.is_cuda:
+        return 0
+    return profile.device.round_bytes(torch.get_rng_state().nbytes)
+
+
+def _forward_starts(profile: ModelProfile) -> dict[str, int]:
+    starts: dict[str, int] = {}
+    for k, e in enumerate(profile.timeline):
+        if e.kind == "fwd_pre":
+            starts.setdefault(e.name, k)
+    return starts
 
 
 def backward_ends(profile: ModelProfile) -> dict[str, int]:
@@ -168,7 +192,9 @@ def memory_constraints(
     on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
 
     ends = backward_ends(profile)
-    holding = {j: _held(profile.modules[j]) for j in windows}
+    # A checkpoint also keeps the generator state it stashed, from its forward's start on.
+    state, starts = checkpoint_state_bytes(profile), _forward_starts(profile)
+    holding = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
     gathers = {j for j in windows if fsdp is not None and fsdp.units_inside(j)}
 
     def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:

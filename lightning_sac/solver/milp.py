@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from lightning_sac.apply.recompute import (
     recompute_ms,
     recompute_transient,
     rerun_output_bytes,
+    whole_overhead_ms,
 )
 from lightning_sac.device_reserve import device_reserve
 from lightning_sac.errors import BudgetError
@@ -49,6 +49,8 @@ _MIB = 2**20
 # Rows are in MiB; HiGHS's feasibility tolerance (1e-7) is then well under a byte. A KiB of margin keeps
 # the plan's peak within the budget after rounding.
 _MARGIN_MIB = 1 / 1024
+# How often a plan whose own figures exceed the budget is solved again under a lower limit.
+_TIGHTEN_ROUNDS = 3
 
 
 def _clean(coefficient: float) -> float:
@@ -60,13 +62,17 @@ def _build(
     cands: list[Candidate],
     fixed_ms: dict[str, float] | None = None,
     factor: dict[str, float] | None = None,
+    whole_ms: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows.
 
     ``fixed_ms`` is what wrapping a candidate costs whatever its policy (the backend's host overhead), and
     ``factor`` how much slower than the profile's op times its recompute runs (measured, default 1).
+    ``whole_ms`` is what a candidate costs in all at its largest discard when that policy saves nothing and so
+    runs as a plain checkpoint (:mod:`lightning_sac.apply.sac`); where that is cheaper than the fit says, a
+    binary ``w`` (at most ``y``, forcing the largest discard) takes the difference off its cost.
     """
-    fixed_ms, factor = fixed_ms or {}, factor or {}
+    fixed_ms, factor, whole_ms = fixed_ms or {}, factor or {}, whole_ms or {}
     y = {c.fqn: h.addBinary() for c in cands}
     r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
     rc = []
@@ -80,14 +86,40 @@ def _build(
         cost = h.addVariable(lb=0.0)
         scale = t.total_runtime / unit * factor.get(c.fqn, 1.0)
         fixed = fixed_ms.get(c.fqn, 0.0) / unit
+        saving = 0.0
+        if c.fqn in whole_ms:
+            at_max = max((s * t.max_discard + b for s, b in zip(t.slopes, t.intercepts, strict=True)), default=0.0)
+            saving = _clean(scale * at_max + fixed - whole_ms[c.fqn] / unit)
+        w = None
+        if saving > 0:
+            w = h.addBinary()
+            h.addConstr(w <= y[c.fqn])
+            h.addConstr(r[c.fqn] >= _clean(t.max_discard) * w)
         for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
-            h.addConstr(cost >= _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept + fixed) * y[c.fqn])
+            line = _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept + fixed) * y[c.fqn]
+            h.addConstr(cost >= (line - saving * w if w is not None else line))
         rc.append(cost)
     for i, a in enumerate(cands):
         for b in cands[i + 1 :]:
             if related(a.fqn, b.fqn):
                 h.addConstr(y[a.fqn] + y[b.fqn] <= 1)
     return y, r, rc
+
+
+def _whole_costs(
+    profile: ModelProfile, cands: list[Candidate], backend: str, measured: dict[str, list[float] | None]
+) -> dict[str, float]:
+    """Per candidate whose most-discarding policy saves nothing: that policy's recompute and overhead, ms."""
+    costs = {}
+    for c in cands:
+        if c.tradeoff.stored:  # it must save something: never a plain checkpoint
+            continue
+        stats = op_stats(profile, c.fqn)
+        policy = optimal_op_policy(stats, 0.0)
+        overhead = whole_overhead_ms(stats, policy, backend, measured[c.fqn])
+        if overhead is not None:
+            costs[c.fqn] = recompute_ms(stats, policy, backend) + overhead
+    return costs
 
 
 def _freed_mib(c: Candidate, y: Any, r: Any) -> Any:
@@ -125,7 +157,7 @@ def _constraint_rows(
 def _minimum_peak(
     cands: list[Candidate], constraints: list[MemoryConstraint], bound: bool = True
 ) -> tuple[float, dict[str, float]]:
-    """The lowest peak any plan reaches, bytes, and the discard ratio of each candidate that plan checkpoints.
+    """The lowest peak the MILP's figures reach, bytes, and the discard ratio of each candidate that plan checkpoints.
 
     A MILP minimizing the peak instead of the recompute.
     """
@@ -137,6 +169,26 @@ def _minimum_peak(
     _constraint_rows(h, cands, constraints, y, r, peak, bound=bound)
     h.minimize(peak)
     return h.val(peak) * _MIB, {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
+
+
+def _lowest_plan(
+    profile: ModelProfile,
+    cands: list[Candidate],
+    constraints: list[MemoryConstraint],
+    backend: str,
+    per_op_us: list[float],
+    measured: dict[str, list[float] | None],
+) -> tuple[dict[str, ModuleDecision], int]:
+    """The plan of the lowest peak by its policies' own figures, of the lowest-peak MILPs (lines and bounds)."""
+    best: tuple[dict[str, ModuleDecision], int] | None = None
+    for bound in (False, True):
+        _, lowest = _minimum_peak(cands, constraints, bound=bound)
+        decisions = _decisions(profile, cands, lowest, backend, per_op_us, measured)
+        peak = _peak(profile, constraints, decisions, backend)
+        if best is None or peak < best[1]:
+            best = (decisions, peak)
+    assert best is not None
+    return best
 
 
 def _peak(
@@ -172,7 +224,10 @@ def _decisions(
             continue
         discard = min(max(chosen[c.fqn], c.min_discard), c.tradeoff.max_discard)
         stats = op_stats(profile, c.fqn)
-        policy = optimal_op_policy(stats, max(0.0, min(1.0, 1.0 - discard)))
+        keep = max(0.0, min(1.0, 1.0 - discard))
+        if not c.tradeoff.stored and discard >= c.tradeoff.max_discard - 1e-9:
+            keep = 0.0  # the largest discard of a module that must save nothing: rounding must not save an op
+        policy = optimal_op_policy(stats, keep)
         saved = sum(m for m, keep in zip(effective_memory(stats), policy, strict=True) if keep)
         if c.retained - saved <= 0:
             continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
@@ -274,44 +329,49 @@ def solve_plan(
     measured = {c.fqn: profile.modules[c.fqn].measured_overhead.get(backend) for c in cands}
     fixed_ms = {c.fqn: fixed_overhead_ms(op_stats(profile, c.fqn), backend, per_op_us, measured[c.fqn]) for c in cands}
     factor = {fqn: m[1] for fqn, m in measured.items() if m}
+    whole_ms = _whole_costs(profile, cands, backend, measured)
     limit = budget / _MIB - _MARGIN_MIB
     # First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
-    # holds); when the plan's own figures then exceed the budget, again with the bounds, which cannot; and when
-    # that is infeasible, the plan of the lowest peak under the lines, if its own figures fit.
+    # holds), then with the all-recompute figure; each solved again with its limit lowered by what the chosen
+    # policies' own figures exceeded the budget by (a line is an estimate). When none fits, the plan of the
+    # lowest peak, if its own figures fit.
     status_text, gap = "", 0.0
     for bound in (False, True):
-        h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-        y, r, rc = _build(h, cands, fixed_ms, factor)
-        status = highspy.HighsModelStatus.kInfeasible
-        if constant_floor(constraints) <= budget:
-            _constraint_rows(h, cands, constraints, y, r, limit, bound=bound)
-            h.minimize(h.qsum(rc))
-            status = h.getModelStatus()
-        if status == highspy.HighsModelStatus.kInfeasible:
+        tighten = 0.0
+        for _ in range(_TIGHTEN_ROUNDS):
+            h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
+            y, r, rc = _build(h, cands, fixed_ms, factor, whole_ms)
+            status = highspy.HighsModelStatus.kInfeasible
+            if constant_floor(constraints) <= budget:
+                _constraint_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
+                h.minimize(h.qsum(rc))
+                status = h.getModelStatus()
+            if status == highspy.HighsModelStatus.kInfeasible:
+                break
+            if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+                raise RuntimeError(f"HiGHS could not solve the plan: {h.modelStatusToString(status)}.")
+            if h.getInfo().primal_solution_status == 0:
+                raise RuntimeError(f"HiGHS found no plan within time_limit_s={time_limit_s}; raise the time limit.")
+            chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
+            decisions = _decisions(profile, cands, chosen, backend, per_op_us, measured)
+            peak = _peak(profile, constraints, decisions, backend)
+            if peak <= budget:
+                plan.decisions, plan.predicted_peak_bytes = decisions, peak
+                status_text, gap = h.modelStatusToString(status), float(h.getInfo().mip_gap)
+                break
+            tighten += (peak - budget) / _MIB + _MARGIN_MIB
+        if status_text:
             break
-        if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
-            raise RuntimeError(f"HiGHS could not solve the plan: {h.modelStatusToString(status)}.")
-        if h.getInfo().primal_solution_status == 0:
-            raise RuntimeError(f"HiGHS found no plan within time_limit_s={time_limit_s}; raise the time limit.")
-        chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
-        plan.decisions = _decisions(profile, cands, chosen, backend, per_op_us, measured)
-        plan.predicted_peak_bytes = _peak(profile, constraints, plan.decisions, backend)
-        status_text, gap = h.modelStatusToString(status), float(h.getInfo().mip_gap)
-        if plan.predicted_peak_bytes <= budget:
-            break
-    if plan.predicted_peak_bytes > budget or not status_text:
-        _, lowest = _minimum_peak(cands, constraints, bound=False)
-        decisions = _decisions(profile, cands, lowest, backend, per_op_us, measured)
-        peak = _peak(profile, constraints, decisions, backend)
+    if not status_text:
+        decisions, peak = _lowest_plan(profile, cands, constraints, backend, per_op_us, measured)
         if peak > budget:
-            minimum = min(peak, _minimum_peak(cands, constraints)[0])
             kept = (
-                f" (the tensors' {minimum / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
+                f" (the tensors' {peak / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
                 f"besides: {reserve.describe()})"
             )
             raise BudgetError(
                 f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
-                f"{(minimum + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
+                f"{(peak + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
                 f"peak is {(plain + reserve.total) / _GIB:.3f} GiB on {profile.device.name}, world size "
                 f"{world_size}, {sharding}). Raise the budget, use a smaller "
                 "batch or shorter sequences, "
@@ -321,7 +381,7 @@ def solve_plan(
                     else f"shard them over more devices (world_size above {world_size})"
                 )
                 + more_candidates_hint(profile),
-                minimum_bytes=int(math.ceil(minimum)) + reserve.total,
+                minimum_bytes=peak + reserve.total,
                 unconstrained_bytes=plain + reserve.total,
             )
         plan.decisions, plan.predicted_peak_bytes = decisions, peak

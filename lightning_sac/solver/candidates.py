@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from lightning_sac.apply.recompute import recompute_transient, rerun_output_bytes
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.solver.memory_model import activation_windows
@@ -108,6 +110,7 @@ def find_candidates(
             raise TypeError(f"candidates must be module classes or fqn glob patterns, got {bad!r}.")
     windows = activation_windows(profile)
     found = []
+    lines: dict[tuple[object, ...], tuple[float, float]] = {}  # identical blocks share their transient line
     for fqn, m in profile.modules.items():
         if m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
             continue
@@ -123,7 +126,12 @@ def find_candidates(
             bound = forward_temporaries(m) + rerun_output_bytes(m.op_stats, None, backend)
             found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, (float(bound), 0.0)))
             continue
-        line = _transient_line(m.op_stats, tradeoff, bound, backend)
+        # Everything _transient_line reads; the trade-offs are alive here, so their ids tell them apart.
+        stats = m.op_stats
+        key = (id(tradeoff), bound, len(stats.func_names), stats.recompute_stop, *map(tuple, _line_inputs(stats)))
+        if key not in lines:
+            lines[key] = _transient_line(stats, tradeoff, bound, backend)
+        line = lines[key]
         found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, line))
     return found
 
@@ -132,19 +140,69 @@ def _transient_line(stats: ModuleOpStats, tradeoff: ModuleTradeoff, bound: int, 
     """A line for a recompute's transient in the discard ratio: ``(bytes, bytes per unit of ratio)``.
 
     From the transient with nothing discarded, the lowest slope that reaches its value at each point of the
-    greedy order, capped so that the line stays within ``bound`` up to the largest discard ratio.
+    greedy order, capped so that the line stays within ``bound`` up to the largest discard ratio. The transient
+    at each point is :func:`~lightning_sac.recompute.recompute_transient` of the policy there, kept up to date
+    as each unit's ops turn to recompute (:class:`_Transient`) instead of recounted from scratch: that was
+    quadratic in a module's ops, minutes for the root of an 80-layer model.
     """
-    policy = [0 if i in set(stats.view_like_ops) else 1 for i in range(len(stats.func_names))]
-    base = float(recompute_transient(stats, policy, backend) or 0)
+    views = set(stats.view_like_ops)
+    policy = [0 if i in views else 1 for i in range(len(stats.func_names))]
+    live = _Transient(stats, policy, backend)
+    base = float(live.value())
     slope = 0.0
     for unit, (discard, _) in zip(tradeoff.order, tradeoff.curve[1:], strict=True):
         for i in unit.ops:
-            policy[i] = 0
+            live.recompute(i)
         if discard > 0:
-            slope = max(slope, ((recompute_transient(stats, policy, backend) or 0) - base) / discard)
+            slope = max(slope, (live.value() - base) / discard)
     if tradeoff.max_discard > 0:
         slope = min(slope, max(0.0, (bound - base) / tradeoff.max_discard))
     return base, slope
+
+
+def _line_inputs(stats: ModuleOpStats) -> tuple[list[Any], ...]:
+    return stats.freed_at, stats.memory, stats.output_ops, stats.view_like_ops, stats.inplace_ops
+
+
+class _Transient:
+    """:func:`~lightning_sac.recompute.recompute_transient` of a policy that only ever turns ops to recompute.
+
+    That function sorts the rerun temporaries' (allocation, free) events and takes the highest running total;
+    at one index frees come first, so the running total's highest value is the highest prefix sum of the
+    events by index, and never below 0. Here ``alive[t]`` is that prefix sum at index ``t``: turning an op to
+    recompute adds its bytes over ``[made, freed)`` (or subtracts them over ``[freed, made)`` should a profile
+    free before it makes), an update of one slice, and the value is ``max(0, alive.max())`` plus the rerun
+    output's bytes, the same integers in the same order.
+    """
+
+    def __init__(self, stats: ModuleOpStats, policy: list[int], backend: str) -> None:
+        self.stats, self.policy, self.backend = stats, policy, backend
+        stop = len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
+        self.counted = [
+            i < stop and stats.freed_at[i] >= 0 and bool(stats.memory[i]) for i in range(len(stats.func_names))
+        ]
+        self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
+        for i, saved in enumerate(policy):
+            if not saved:
+                self._add(i)
+
+    def _add(self, i: int) -> None:
+        if self.counted[i]:
+            made, freed, size = i, self.stats.freed_at[i], self.stats.memory[i]
+            if made < freed:
+                self.alive[made:freed] += size
+            elif freed < made:
+                self.alive[freed:made] -= size
+
+    def recompute(self, i: int) -> None:
+        """Turn op ``i`` to recompute (nothing when it already is)."""
+        if self.policy[i]:
+            self.policy[i] = 0
+            self._add(i)
+
+    def value(self) -> int:
+        """The transient of the current policy, bytes."""
+        return max(0, int(self.alive.max())) + rerun_output_bytes(self.stats, self.policy, self.backend)
 
 
 def more_candidates_hint(profile: ModelProfile) -> str:

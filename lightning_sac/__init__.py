@@ -1,12 +1,18 @@
 """lightning-sac: fit training into a GPU memory budget with the least recomputation."""
 
-from lightning_sac.apply import PlanHandle, apply_plan
-from lightning_sac.callback import AutoSAC
-from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
-from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
-from lightning_sac.plan import ModuleDecision, Plan
-from lightning_sac.profiling import ModelProfile, ModuleOpStats, ModuleProfile, profile_model, render_profile
-from lightning_sac.solver import greedy_op_policy, optimal_op_policy, solve_plan
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_sac.apply import PlanHandle, apply_plan
+    from lightning_sac.callback import AutoSAC
+    from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
+    from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
+    from lightning_sac.plan import ModuleDecision, Plan
+    from lightning_sac.profiling import ModelProfile, ModuleOpStats, ModuleProfile, profile_model, render_profile
+    from lightning_sac.solver import greedy_op_policy, optimal_op_policy, solve_plan
 
 __all__ = [
     "AutoSAC",
@@ -32,3 +38,41 @@ __all__ = [
 ]
 
 __version__ = "0.1.0.dev0"
+
+# Each public name is imported on first use (PEP 562): `import lightning_sac` and the `lightning-sac` command
+# then load only what they use. Lightning (and with it torchmetrics, transformers and scipy, seconds of imports)
+# is loaded only by the callback.
+_SOURCES = {
+    "AutoSAC": "lightning_sac.callback",
+    "BudgetError": "lightning_sac.errors",
+    "DeviceSpec": "lightning_sac.devices",
+    "LightningSACError": "lightning_sac.errors",
+    "ModelProfile": "lightning_sac.profiling",
+    "ModuleDecision": "lightning_sac.plan",
+    "ModuleOpStats": "lightning_sac.profiling",
+    "ModuleProfile": "lightning_sac.profiling",
+    "Plan": "lightning_sac.plan",
+    "PlanHandle": "lightning_sac.apply",
+    "ProfilingError": "lightning_sac.errors",
+    "UnknownDeviceError": "lightning_sac.devices",
+    "apply_plan": "lightning_sac.apply",
+    "get_device_spec": "lightning_sac.devices",
+    "greedy_op_policy": "lightning_sac.solver",
+    "known_devices": "lightning_sac.devices",
+    "optimal_op_policy": "lightning_sac.solver",
+    "profile_model": "lightning_sac.profiling",
+    "render_profile": "lightning_sac.profiling",
+    "solve_plan": "lightning_sac.solver",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'lightning_sac' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value  # later look-ups do not come here again
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

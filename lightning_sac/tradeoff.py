@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import pwlf
 
 from lightning_sac.apply.recompute import output_op, recompute_costs
 from lightning_sac.profiling.data import ModuleOpStats
@@ -150,6 +149,8 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
 
 def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
     """Continuous piecewise-linear least-squares fit with breaks at curve points; returns slopes, intercepts, breaks."""
+    import pwlf  # imports scipy (about 2 s): only a plan's fit needs it, not every start of lightning-sac
+
     n_segments = max(1, min(n_segments, len(x) - 1))
     model = pwlf.PiecewiseLinFit(x, y)
     interior = x[1:-1]

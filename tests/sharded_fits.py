@@ -1,6 +1,6 @@
 """Fits of the strategy x precision x world-size matrix: plain, then AutoSAC at 80% of the plain per-rank peak.
 
-Every rank of a cell is a process this harness starts itself (``torch.multiprocessing.spawn``, gloo), with the
+Every rank of a cell is a process this harness starts itself (:func:`processes.start_ranks`, gloo), with the
 environment Lightning reads for processes created outside it (``LOCAL_RANK``, ``WORLD_SIZE``, ...), so the same
 processes run the plain fit and the planned one. The model is a Hugging Face Llama decoder (tiny config) in the
 usual LightningModule; under FSDP2 ``configure_model`` shards each decoder layer and then the model with
@@ -24,9 +24,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fit_harness import BatchPeaks
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from processes import start_ranks
 from torch.utils.data import DataLoader
 from zoo import lm_batch
 
@@ -235,7 +235,7 @@ def run_cells(
         Per ``(strategy, precision)``, every rank's result.
     """
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_rank, args=((strategies, precisions, world_size, autosac), _free_port(), str(out)), nprocs=world_size)
+    start_ranks(_rank, ((strategies, precisions, world_size, autosac), _free_port(), str(out)), world_size)
     return {
         (s, p): [
             CellResult(**json.loads(Path(out, f"{s}_{p}_rank{r}.json").read_text())) for r in range(world_size)

@@ -16,8 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
+from processes import start_ranks
 from sharded_fits import _free_port
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -107,7 +107,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # 2 processes, about 20 s
 def test_plan_keeps_loss_parameters_and_batchnorm_buffers_of_the_plain_fit(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    start_ranks(_rank, (_free_port(), str(tmp_path)), 2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["decisions"], "a plan of least memory checkpoints something"

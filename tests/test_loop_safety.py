@@ -65,14 +65,16 @@ class FailsAtStep(HFModule):
         return super().training_step(batch, batch_idx)
 
 
-def _plain_peak(tmp_path: Path) -> int:
+@pytest.fixture(scope="module")
+def plain_peak(tmp_path_factory: pytest.TempPathFactory) -> int:
+    """The plain fit's highest batch peak (BatchPeaks). The same seeded fit for every test here: measured once."""
     peaks = BatchPeaks()
-    fit(HFModule(gpt2().model), tmp_path, [peaks])
+    fit(HFModule(gpt2().model), tmp_path_factory.mktemp("plain"), [peaks])
     return max(peaks.peaks)
 
 
-def test_an_exception_in_fit_restores_the_users_modules(tmp_path: Path) -> None:
-    budget_gb = 0.8 * _plain_peak(tmp_path) / GIB
+def test_an_exception_in_fit_restores_the_users_modules(tmp_path: Path, plain_peak: int) -> None:
+    budget_gb = 0.8 * plain_peak / GIB
     module = FailsAtStep(gpt2().model, fail_at=1)
     cb = AutoSAC(budget_gb=budget_gb, measure=False)
     with pytest.raises(RuntimeError, match="user code failed"):
@@ -82,8 +84,8 @@ def test_an_exception_in_fit_restores_the_users_modules(tmp_path: Path) -> None:
     assert module.model.config.use_cache is True  # and the KV-cache switch is undone
 
 
-def test_a_corrupt_plan_file_is_reported_and_replaced(tmp_path: Path) -> None:
-    budget_gb = 0.8 * _plain_peak(tmp_path) / GIB
+def test_a_corrupt_plan_file_is_reported_and_replaced(tmp_path: Path, plain_peak: int) -> None:
+    budget_gb = 0.8 * plain_peak / GIB
     path = tmp_path / "plan.json"
     path.write_text('{"fingerprint": "abc", "decis')  # a write cut short
     cb = AutoSAC(budget_gb=budget_gb, plan_path=path, measure=False)
@@ -93,14 +95,14 @@ def test_a_corrupt_plan_file_is_reported_and_replaced(tmp_path: Path) -> None:
     assert Plan.from_json(path.read_text()) == cb.plan
 
 
-def test_own_measurement_agrees_with_an_independent_one(tmp_path: Path) -> None:
+def test_own_measurement_agrees_with_an_independent_one(tmp_path: Path, plain_peak: int) -> None:
     """AutoSAC's measurement of the second step against BatchPeaks' of the same step in an identical fit.
 
     1.5%: the issue's bound. Both read the same allocator; what differs is only what each counts as alive when
     the step begins (ours: a census of the step's tensors; BatchPeaks: every block since setup, e.g. the batch
     the loader prefetched and Lightning's logged values).
     """
-    budget_gb = 0.8 * _plain_peak(tmp_path) / GIB
+    budget_gb = 0.8 * plain_peak / GIB
     own = AutoSAC(budget_gb=budget_gb)
     fit(HFModule(gpt2().model), tmp_path, [own])
     peaks = BatchPeaks()
@@ -111,24 +113,26 @@ def test_own_measurement_agrees_with_an_independent_one(tmp_path: Path) -> None:
     assert own.measured.peak_bytes == pytest.approx(peaks.peaks[1], rel=0.015)
 
 
-def test_a_measurement_that_fails_is_a_warning_and_training_goes_on(tmp_path: Path, monkeypatch: Any) -> None:
+def test_a_measurement_that_fails_is_a_warning_and_training_goes_on(
+    tmp_path: Path, plain_peak: int, monkeypatch: Any
+) -> None:
     def broken(*args: Any, **kwargs: Any) -> None:
         raise ValueError("cannot decode event name")
 
     monkeypatch.setattr(fit_measure_module, "memory_timeline", broken)
     module = HFModule(gpt2().model)
-    cb = AutoSAC(budget_gb=0.8 * _plain_peak(tmp_path) / GIB)
+    cb = AutoSAC(budget_gb=0.8 * plain_peak / GIB)
     with pytest.warns(UserWarning, match=r"could not measure the planned step \(ValueError: cannot decode event"):
         fit(module, tmp_path, [cb])
     assert cb.measured is None and len(module.losses) == 4
 
 
-
-
-def test_own_measurement_of_an_accumulation_cycle_agrees_with_an_independent_one(tmp_path: Path) -> None:
+def test_own_measurement_of_an_accumulation_cycle_agrees_with_an_independent_one(
+    tmp_path: Path, plain_peak: int
+) -> None:
     """With ``accumulate_grad_batches=2`` AutoSAC measures the second cycle (micro-batches 2 and 3) whole: its
     peak is the higher of the two micro-batches' (1.5%, as above)."""
-    budget_gb = 0.8 * _plain_peak(tmp_path) / GIB
+    budget_gb = 0.8 * plain_peak / GIB
     own = AutoSAC(budget_gb=budget_gb)
     fit(HFModule(gpt2().model), tmp_path, [own], accumulate_grad_batches=2, max_steps=2)
     peaks = BatchPeaks()

@@ -17,9 +17,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fit_harness import BatchPeaks, batch_peaks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from processes import start_ranks
 from test_callback import trainer
 from test_callback_real_models import HFModule
 from torch.utils.data import DataLoader
@@ -315,7 +315,7 @@ def _agree(rank: int, init_file: str, out: str) -> None:
 
 @pytest.mark.slow  # two processes importing torch and Lightning: about 25 s here
 def test_ranks_agree_on_the_largest_shapes_and_rank_zero_gets_a_batch_of_them(tmp_path):
-    mp.spawn(_agree, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    start_ranks(_agree, (str(tmp_path / "init"), str(tmp_path)), 2)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["longer"] == [[4, 128], 1, False, False] and r1["longer"] == [[4, 128], 1, False, True]
     assert r0["received"] is True

@@ -151,11 +151,11 @@ def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, back
         elif i not in outputs:
             missing += m
             events.append((i, m))
-    alive, peak = saved_temps - missing, None
+    alive = peak = saved_temps - missing  # before the rerun's first op
     for _, delta in sorted(events):  # at one index, frees (negative) first
         alive += delta
-        peak = alive if peak is None else max(peak, alive)
-    return (saved_temps if peak is None else peak) + rerun_output_bytes(stats, policy, backend)
+        peak = max(peak, alive)
+    return peak + rerun_output_bytes(stats, policy, backend)
 
 
 def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:

@@ -50,7 +50,23 @@ def is_view_like(func: Any) -> bool:
     """Whether the op's outputs alias its inputs: views and in-place views such as ``transpose_``."""
     if not isinstance(func, torch._ops.OpOverload):
         return False
+    return _is_view_like(func)
+
+
+# Facts read off an operator's schema and tags, once per operator: the dry run asks for every op it runs.
+@functools.cache
+def _is_view_like(func: torch._ops.OpOverload) -> bool:
     return bool(func.is_view) or torch.Tag.inplace_view in func.tags
+
+
+@functools.cache
+def _written_arguments(func: torch._ops.OpOverload) -> tuple[tuple[int, str, bool], ...]:
+    # (position, name, keyword-only) of each argument a mutable schema declares written, in schema order.
+    return tuple(
+        (i, arg.name, arg.kwarg_only)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
 
 
 def _schema_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
@@ -71,9 +87,12 @@ def mutated_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return []
     written: list[torch.Tensor] = []
     if func._schema.is_mutable:
-        for arg, value in _schema_args(func, args, kwargs):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written.extend(flat_tensors(value))
+        # As _schema_args pairs them: by position unless keyword-only, else by name.
+        for i, name, kwarg_only in _written_arguments(func):
+            if not kwarg_only and i < len(args):
+                written.extend(flat_tensors(args[i]))
+            elif name in kwargs:
+                written.extend(flat_tensors(kwargs[name]))
     elif func in decomposition_table or func in _KNOWN_UNDECLARED:
         written.extend(undeclared_writes(func, args, kwargs))
     return written
@@ -154,7 +173,14 @@ def _probe(func: Any, flat: list[Any], spec: Any) -> tuple[int, ...]:
 
 def is_inplace(func: Any) -> bool:
     """Whether the op mutates one of its tensor arguments (views that only change metadata excluded)."""
-    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.inplace_view in func.tags:
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    return _is_inplace(func)
+
+
+@functools.cache
+def _is_inplace(func: torch._ops.OpOverload) -> bool:
+    if torch.Tag.inplace_view in func.tags:
         return False
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
@@ -186,8 +212,12 @@ def flat_tensors(x: Any) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (tuple, list)):
+        # Called several times for every op of a dry run: a flat list costs no call per item.
         out: list[torch.Tensor] = []
         for item in x:
-            out.extend(flat_tensors(item))
+            if isinstance(item, torch.Tensor):
+                out.append(item)
+            elif isinstance(item, (tuple, list)):
+                out.extend(flat_tensors(item))
         return out
     return []

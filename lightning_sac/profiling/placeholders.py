@@ -62,11 +62,6 @@ from lightning_sac.errors import ProfilingError, _machinery
 if TYPE_CHECKING:
     from lightning_sac.profiling.recorded_step import RecordedStep
 
-try:  # Lightning installs torchmetrics; a plain-PyTorch install may not have it.
-    import torchmetrics
-except ImportError:  # pragma: no cover - exercised only without torchmetrics
-    torchmetrics = None  # type: ignore[assignment]
-
 __all__ = [
     "HEALTHY",
     "METRIC_METHODS",
@@ -86,9 +81,20 @@ OTHER = "other"
 METRIC_METHODS: tuple[str, ...] = ("forward", "update", "compute")
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
-_METRIC: type[nn.Module] | None = None if torchmetrics is None else torchmetrics.Metric
-# The user's line is the one that called the metric, not torchmetrics' own code (a MetricCollection's loop).
-_LIBRARIES: tuple[str, ...] = () if torchmetrics is None else (os.path.dirname(torchmetrics.__file__) + os.sep,)
+
+
+def _torchmetrics() -> Any:
+    """The torchmetrics module if something imported it, else ``None`` (a model with a metric has imported it).
+
+    Not imported here: it imports transformers and scipy, seconds at every start of ``lightning-sac``.
+    """
+    return sys.modules.get("torchmetrics")
+
+
+def _libraries() -> tuple[str, ...]:
+    # The user's line is the one that called the metric, not torchmetrics' own code (a MetricCollection's loop).
+    torchmetrics = _torchmetrics()
+    return () if torchmetrics is None else (os.path.dirname(torchmetrics.__file__) + os.sep,)
 
 
 def placeholder_value(dtype: torch.dtype, which: str = HEALTHY) -> bool | int | float | complex:
@@ -129,10 +135,11 @@ def _source_line() -> str:
     Walks the frames without reading their locals or the other frames' source (a ``.tolist()`` reads a scalar
     per element).
     """
+    libraries = _libraries()
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (_machinery(filename) or filename.startswith(_LIBRARIES)):
+        if not (_machinery(filename) or filename.startswith(libraries)):
             code = linecache.getline(filename, frame.f_lineno).strip()
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}: {code}"
         frame = frame.f_back  # type: ignore[assignment]
@@ -168,10 +175,11 @@ class Placeholders:
         self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> Placeholders:
+        torchmetrics = _torchmetrics()
         for fqn, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._enter_module(fqn)))
             self._handles.append(module.register_forward_hook(self._leave_module, always_call=True))
-            if _METRIC is not None and isinstance(module, _METRIC):
+            if torchmetrics is not None and isinstance(module, torchmetrics.Metric):
                 for name in METRIC_METHODS:
                     # ``update`` and ``compute`` are already instance attributes (torchmetrics wraps them in
                     # ``__init__``); ``forward`` is the class's. Either way the copy's own dict is what changes.

@@ -22,6 +22,7 @@ and they stay gathered until each one's own backward ends (FSDP does not reshard
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from lightning_sac.profiling.data import MemorySnapshot, ModelProfile
@@ -32,6 +33,19 @@ __all__ = ["ShardedStep"]
 
 def _inside(fqn: str, outer: str) -> bool:
     return outer == "" or fqn == outer or fqn.startswith(outer + ".")
+
+
+def _union(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The inclusive intervals' union within ``[lo, hi]``, as disjoint inclusive intervals in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if a > b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 @dataclass
@@ -51,6 +65,12 @@ class ShardedStep:
     _bwd: list[tuple[int, int]] = field(init=False, repr=False)  # per unit: its backward's [start, end]
     _phase: list[str] = field(init=False, repr=False)  # per timeline index, the step's phase
     _first: dict[tuple[str, str], int] = field(init=False, repr=False)  # (kind, name) -> first timeline index
+    _gathered_at: list[int] = field(init=False, repr=False)  # per timeline index, the gathered bytes there
+    _param_bytes: int = field(init=False, repr=False)  # all units' parameters, gathered
+    _shards: int = field(init=False, repr=False)  # all units' parameter shards on one rank
+    _grad_shards: int = field(init=False, repr=False)  # all units' gradient shards on one rank
+    _backward_grads: dict[int, int] = field(init=False, repr=False)  # timeline index in backward -> gradient bytes
+    _recompute_series: dict[str, list[int]] = field(init=False, repr=False)  # fqn -> recompute_gathers per index
 
     def __post_init__(self) -> None:
         timeline = self.profile.timeline
@@ -113,6 +133,18 @@ class ShardedStep:
         for k in range(len(timeline)):
             held = 0 if k >= bwd_end else largest.get(k, held)
             self._held.append(held)
+        # What bytes_at sums at every call but depends on the timeline index alone, once (the solver asks at every
+        # index of a step thousands of events long).
+        self._param_bytes = sum(u.param_bytes for u in units)
+        self._shards = sum(u.shard_bytes for u in units)
+        self._grad_shards = sum(u.grad_shard_bytes for u in units)
+        gathered = [0] * (len(timeline) + 1)
+        for u, intervals in zip(units, self._gathered, strict=True):
+            for a, b in _union(intervals, 0, len(timeline) - 1):
+                gathered[a] += u.gathered_bytes
+                gathered[b + 1] -= u.gathered_bytes
+        self._gathered_at = list(itertools.accumulate(gathered[:-1]))
+        self._backward_grads, self._recompute_series = {}, {}
 
     # ------------------------------------------------------------------ per moment
     def is_gathered(self, i: int, k: int) -> bool:
@@ -122,7 +154,9 @@ class ShardedStep:
     def _gradients(self, k: int, snapshot: MemorySnapshot) -> int:
         units = self.layout.units
         if self._phase[k] != "backward":
-            return sum(u.grad_shard_bytes for u in units) if snapshot.get("gradient", 0) > 0 else 0
+            return self._grad_shards if snapshot.get("gradient", 0) > 0 else 0
+        if k in self._backward_grads:
+            return self._backward_grads[k]
         total = 0
         for u, (start, end) in zip(units, self._bwd, strict=True):
             if end < k:
@@ -130,6 +164,7 @@ class ShardedStep:
             elif start <= k:
                 scatter = u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
                 total += u.grad_bytes + (scatter if k == end else 0)  # at its end, the reduce-scatter's input
+        self._backward_grads[k] = total
         return total
 
     def bytes_at(self, k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
@@ -141,21 +176,22 @@ class ShardedStep:
             moment: ``snapshot`` is the event's own (``at``): add what FSDP holds only at that moment (the
                 all-gather buffers of the units gathered there, beside the previous gather's).
         """
-        units = self.layout.units
-        param_bytes = sum(u.param_bytes for u in units)
+        param_bytes, shards = self._param_bytes, self._shards
         profiled = snapshot.get("parameter", 0)
         unmanaged = max(profiled - param_bytes, 0)
-        shards = sum(u.shard_bytes for u in units)
         # The optimizer's state is made from the shards. The profile's state is of its parameters, which are in
         # the compute dtype when FSDP1's mixed precision computes on cast parameters.
         ratio = shards / min(profiled, param_bytes) if profiled and param_bytes else 1.0
         other = sum(v for c, v in snapshot.items() if c not in ("parameter", "gradient", "optimizer_state"))
-        gathered = sum(u.gathered_bytes for i, u in enumerate(units) if self.is_gathered(i, k))
+        gathered = self._gathered_at[k] if 0 <= k < len(self._gathered_at) else self._gathered_sum(k)
         optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
         total = other + unmanaged + shards + gathered + optimizer + self._gradients(k, snapshot)
         if moment and k in self._starts:  # the gathers of this moment, beside the previous gather's buffer
             return total + self._starts[k] + (self._held[k - 1] if k > 0 else 0)
         return total + self._held[k]
+
+    def _gathered_sum(self, k: int) -> int:
+        return sum(u.gathered_bytes for i, u in enumerate(self.layout.units) if self.is_gathered(i, k))
 
     def recompute_gathers(self, fqn: str, k: int) -> int:
         """Bytes a checkpoint of ``fqn`` gathers at timeline index ``k`` that the step without it does not.
@@ -173,6 +209,28 @@ class ShardedStep:
             if k <= self._bwd[i][1] and not self.is_gathered(i, k):
                 extra += u.gathered_bytes
         return extra
+
+    def recompute_gathers_series(self, fqn: str) -> list[int]:
+        """:meth:`recompute_gathers` of ``fqn`` at every timeline index, computed once per module."""
+        if fqn in self._recompute_series:
+            return self._recompute_series[fqn]
+        length = len(self.profile.timeline)
+        series = [0] * (length + 1)
+        start = self._first.get(("bwd_pre", fqn))
+        for i, u in enumerate(self.layout.units):
+            if start is None or u.fqn == fqn or not _inside(u.fqn, fqn):
+                continue
+            # From the module's backward until the unit's own backward ends, less where the step gathers it anyway.
+            end = min(self._bwd[i][1], length - 1)
+            if start > end:
+                continue
+            series[start] += u.gathered_bytes
+            series[end + 1] -= u.gathered_bytes
+            for a, b in _union(self._gathered[i], start, end):
+                series[a] -= u.gathered_bytes
+                series[b + 1] += u.gathered_bytes
+        self._recompute_series[fqn] = list(itertools.accumulate(series[:-1]))
+        return self._recompute_series[fqn]
 
     def units_inside(self, fqn: str) -> list[FSDPUnit]:
         """The units strictly inside module ``fqn``."""

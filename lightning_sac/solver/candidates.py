@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_sac.apply.recompute import recompute_transient, rerun_output_bytes
+import numpy as np
+
+from lightning_sac.apply.recompute import output_op, recompute_transient, rerun_output_bytes
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.solver.memory_model import activation_windows
 from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
@@ -108,6 +110,7 @@ def find_candidates(
             raise TypeError(f"candidates must be module classes or fqn glob patterns, got {bad!r}.")
     windows = activation_windows(profile)
     found = []
+    lines: dict[tuple[object, ...], tuple[float, float]] = {}  # identical blocks share their transient line
     for fqn, m in profile.modules.items():
         if m.op_stats is None or m.calls != 1 or fqn not in windows or not _matches(m, candidates):
             continue
@@ -123,7 +126,12 @@ def find_candidates(
             bound = forward_temporaries(m) + rerun_output_bytes(m.op_stats, None, backend)
             found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, (float(bound), 0.0)))
             continue
-        line = _transient_line(m.op_stats, tradeoff, bound, backend)
+        # Everything _transient_line reads; the trade-offs are alive here, so their ids tell them apart.
+        stats = m.op_stats
+        key = (id(tradeoff), bound, len(stats.func_names), stats.recompute_stop, *map(tuple, _line_inputs(stats)))
+        if key not in lines:
+            lines[key] = _transient_line(stats, tradeoff, bound, backend)
+        line = lines[key]
         found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, line))
     return found
 
@@ -131,20 +139,77 @@ def find_candidates(
 def _transient_line(stats: ModuleOpStats, tradeoff: ModuleTradeoff, bound: int, backend: str) -> tuple[float, float]:
     """A line for a recompute's transient in the discard ratio: ``(bytes, bytes per unit of ratio)``.
 
-    From the transient with nothing discarded, the lowest slope that reaches its value at each point of the
-    greedy order, capped so that the line stays within ``bound`` up to the largest discard ratio.
+    From the transient with nothing discarded, the lowest slope (negative when discarding lowers it) that
+    reaches its value at each point of the greedy order, capped so that the line reaches ``bound`` (the
+    transient with everything discarded) by the largest discard ratio. The transient
+    at each point is :func:`~lightning_sac.recompute.recompute_transient` of the policy there, kept up to date
+    as each unit's ops turn to recompute (:class:`_Transient`) instead of recounted from scratch: that was
+    quadratic in a module's ops, minutes for the root of an 80-layer model.
     """
-    policy = [0 if i in set(stats.view_like_ops) else 1 for i in range(len(stats.func_names))]
-    base = float(recompute_transient(stats, policy, backend) or 0)
-    slope = 0.0
+    views = set(stats.view_like_ops)
+    policy = [0 if i in views else 1 for i in range(len(stats.func_names))]
+    live = _Transient(stats, policy, backend)
+    base = float(live.value())
+    slope: float | None = None
     for unit, (discard, _) in zip(tradeoff.order, tradeoff.curve[1:], strict=True):
         for i in unit.ops:
-            policy[i] = 0
+            live.recompute(i)
         if discard > 0:
-            slope = max(slope, ((recompute_transient(stats, policy, backend) or 0) - base) / discard)
+            point = (live.value() - base) / discard
+            slope = point if slope is None else max(slope, point)
+    slope = slope or 0.0  # may be negative: discarding more usually lowers what the recompute rebuilds at once
     if tradeoff.max_discard > 0:
-        slope = min(slope, max(0.0, (bound - base) / tradeoff.max_discard))
+        slope = min(slope, (bound - base) / tradeoff.max_discard)
     return base, slope
+
+
+def _line_inputs(stats: ModuleOpStats) -> tuple[list[Any], ...]:
+    return stats.freed_at, stats.memory, stats.output_ops, stats.view_like_ops, stats.inplace_ops
+
+
+class _Transient:
+    """:func:`~lightning_sac.recompute.recompute_transient` of a policy that only ever turns ops to recompute.
+
+    That function follows the rerun op by op: ``alive[t]`` here is its running total once the rerun's events at
+    index ``t`` are in (the saved temporaries, less the discarded activations not rebuilt by ``t``, plus the
+    rerun temporaries alive at ``t``), and the transient is the highest ``alive[t]`` plus the rerun output's
+    bytes. Turning op ``i`` to recompute updates slices: a temporary leaves the saved ones (everywhere) and,
+    before the early stop, is alive over ``[i, freed)``; an activation before the early stop (not an output) is
+    missing before ``i``.
+    """
+
+    def __init__(self, stats: ModuleOpStats, policy: list[int], backend: str) -> None:
+        self.stats, self.policy, self.backend = stats, [1] * len(policy), backend
+        self.stop = len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
+        out = output_op(stats)
+        self.outputs = set(stats.output_ops) | ({out} if out is not None else set())
+        self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
+        self.alive += sum(m for i, m in enumerate(stats.memory) if stats.freed_at[i] >= 0)  # every temporary saved
+        for i, saved in enumerate(policy):
+            if not saved:
+                self.recompute(i)
+
+    def recompute(self, i: int) -> None:
+        """Turn op ``i`` to recompute (nothing when it already is)."""
+        if not self.policy[i]:
+            return
+        self.policy[i] = 0
+        size, freed = self.stats.memory[i], self.stats.freed_at[i]
+        if not size:
+            return
+        if freed >= 0:
+            self.alive -= size
+            if i < self.stop:
+                if i < freed:
+                    self.alive[i:freed] += size
+                elif freed < i:
+                    self.alive[freed:i] -= size
+        elif i < self.stop and i not in self.outputs:
+            self.alive[:i] -= size
+
+    def value(self) -> int:
+        """The transient of the current policy, bytes."""
+        return int(self.alive.max()) + rerun_output_bytes(self.stats, self.policy, self.backend)
 
 
 def more_candidates_hint(profile: ModelProfile) -> str:

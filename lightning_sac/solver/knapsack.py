@@ -15,6 +15,9 @@ __all__ = ["greedy_op_policy", "optimal_op_policy"]
 
 SAVE, RECOMPUTE = 1, 0
 
+# Identical blocks of a deep model ask the same knapsack (same stats, same budget): one HiGHS run serves them all.
+_CACHE: dict[tuple[object, ...], list[int]] = {}
+
 
 def _check_budget(memory_budget: float) -> None:
     if not 0.0 <= memory_budget <= 1.0:
@@ -51,8 +54,31 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
         ValueError: ``memory_budget`` is outside ``[0, 1]`` or below what must be saved regardless.
     """
     _check_budget(memory_budget)
-    n = len(stats.func_names)
     memory = effective_memory(stats)
+    costs = recompute_costs(stats)
+    # Everything the knapsack below reads; HiGHS runs single-threaded with a fixed seed, so an equal key gives
+    # an equal model and answer.
+    key = (
+        memory_budget,
+        len(stats.func_names),
+        tuple(memory),
+        tuple(costs),
+        tuple(stats.view_like_ops),
+        tuple(stats.inplace_ops),
+        tuple(stats.rand_ops),
+        stats.force_store_random,
+        tuple(stats.stateful_ops),
+        tuple(stats.reads_before_overwrite),
+    )
+    if key not in _CACHE:
+        if len(_CACHE) >= 1024:
+            _CACHE.clear()
+        _CACHE[key] = _solve_knapsack(stats, memory_budget, memory, costs)
+    return list(_CACHE[key])
+
+
+def _solve_knapsack(stats: ModuleOpStats, memory_budget: float, memory: list[int], costs: list[float]) -> list[int]:
+    n = len(stats.func_names)
     # A budget read off a point of the trade-off curve can land a hair below that point's bytes in floating
     # point (8388607.99999999 for 8 MiB); flooring that would drop a whole unit.
     capacity = math.floor(memory_budget * sum(memory) + 1e-6)
@@ -73,7 +99,6 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
         h.addConstr(x[reader] == x[maker])
     h.addConstr(h.qsum(memory[i] * x[i] for i in range(n)) <= capacity)
     # Ties (e.g. free ops) go to saving: a tiny reward per saved op keeps the answer unique and stable.
-    costs = recompute_costs(stats)
     h.maximize(h.qsum((costs[i] + 1e-9) * x[i] for i in range(n)))
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:

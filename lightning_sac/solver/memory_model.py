@@ -190,39 +190,90 @@ def memory_constraints(
     # Under FSDP with the model's units known, a rank holds what the sharded model says (lightning_sac.sharding).
     fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
     on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
+    timeline = profile.timeline
+    # Both depend on the timeline index alone and change at few of them: computed once per index by sweeps (one
+    # pass per candidate and index was quadratic in the model's depth).
+    absent_at = _absent_sets(windows, len(timeline))
+    kept_at = _kept_bytes(profile, windows, fsdp)
 
+    def add(base: int, k: int, recompute: str | None) -> None:
+        key = (absent_at[k], recompute, kept_at[k])
+        worst[key] = max(worst.get(key, base), base)
+
+    for k, event in enumerate(timeline):
+        add(on_device(k, event.peak_after or event.at), k, None)
+        if fsdp is not None:  # what FSDP holds only at the event itself (an all-gather's flat buffer)
+            add(on_device(k, event.at, moment=True), k, None)
+    for j, (_, begin_bwd) in windows.items():
+        add(on_device(begin_bwd, timeline[begin_bwd].at, moment=True), begin_bwd, j)
+    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
+
+
+def _absent_sets(windows: Mapping[str, tuple[int, int]], length: int) -> list[frozenset[str]]:
+    """Per timeline index ``k``, the candidates whose activations can be absent: ``end_fwd <= k < begin_bwd``.
+
+    Consecutive indices with the same candidates share one frozenset.
+    """
+    starts: dict[int, list[str]] = {}
+    stops: dict[int, list[str]] = {}
+    for j, (end_fwd, begin_bwd) in windows.items():
+        if end_fwd < begin_bwd:
+            starts.setdefault(max(end_fwd, 0), []).append(j)
+            stops.setdefault(begin_bwd, []).append(j)
+    current: set[str] = set()
+    shared: frozenset[str] = frozenset()
+    out = []
+    for k in range(length):
+        if k in starts or k in stops:
+            current.update(starts.get(k, ()))
+            current.difference_update(stops.get(k, ()))
+            shared = frozenset(current)
+        out.append(shared)
+    return out
+
+
+def _kept_bytes(
+    profile: ModelProfile, windows: Mapping[str, tuple[int, int]], fsdp: ShardedStep | None
+) -> list[tuple[tuple[str, int], ...]]:
+    """Per timeline index ``at``, ``(candidate, bytes)`` its checkpoint keeps alive there that the plain step does not.
+
+    A checkpoint holds its inputs until its backward ends; those the plain step freed by ``at`` are extra. Under
+    FSDP, a checkpoint of a module that contains units keeps them gathered after its recompute. Candidates in
+    sorted order, those keeping nothing left out; consecutive indices where nothing changes share one tuple.
+    """
+    length = len(profile.timeline)
     ends = backward_ends(profile)
     # A checkpoint also keeps the generator state it stashed, from its forward's start on.
     state, starts = checkpoint_state_bytes(profile), _forward_starts(profile)
-    holding = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
-    gathers = {j for j in windows if fsdp is not None and fsdp.units_inside(j)}
-
-    def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
-        # A checkpoint holds its inputs until its backward ends; those the plain step freed by now are extra.
-        # Under FSDP, a checkpoint of a module that contains units keeps them gathered after its recompute.
-        kept = tuple(
-            (j, b)
-            for j in sorted(holding)
-            if (
-                b := (sum(n for d, n in holding[j] if d <= at) if at < ends.get(j, len(profile.timeline)) else 0)
-                + (fsdp.recompute_gathers(j, at) if fsdp is not None and j in gathers else 0)
-            )
-        )
-        key = (absent, recompute, kept)
-        worst[key] = max(worst.get(key, base), base)
-
-    timeline = profile.timeline
-    for k, event in enumerate(timeline):
-        snapshot = event.peak_after or event.at
-        absent = frozenset(j for j, (end_fwd, begin_bwd) in windows.items() if end_fwd <= k < begin_bwd)
-        add(on_device(k, snapshot), absent, None, k)
-        if fsdp is not None:  # what FSDP holds only at the event itself (an all-gather's flat buffer)
-            add(on_device(k, event.at, moment=True), absent, None, k)
-    for j, (_, begin_bwd) in windows.items():
-        at = timeline[begin_bwd].at
-        absent = frozenset(i for i, (end_fwd, b) in windows.items() if end_fwd <= begin_bwd < b)
-        add(on_device(begin_bwd, at, moment=True), absent, j, begin_bwd)
-    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
+    held_inputs = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
+    # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
+    gathers = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
+    changes: dict[int, list[tuple[str, int]]] = {}  # index -> (candidate, bytes its held inputs grow by there)
+    for j, entries in held_inputs.items():
+        for d, n in entries:
+            changes.setdefault(max(d, 0), []).append((j, n))
+        if entries and j in ends:
+            changes.setdefault(ends[j], []).append((j, 0))  # its backward is over: nothing kept from here on
+    for j, series in gathers.items():
+        for at in range(length):
+            if series[at] != (series[at - 1] if at else 0):
+                changes.setdefault(at, []).append((j, 0))
+    held: dict[str, int] = {}  # per candidate, the bytes of its held inputs freed by now
+    holders = sorted(j for j in windows if held_inputs[j] or j in gathers)
+    shared: tuple[tuple[str, int], ...] = ()
+    out = []
+    for at in range(length):
+        if at in changes:
+            for j, n in changes[at]:
+                held[j] = held.get(j, 0) + n
+            kept = []
+            for j in holders:
+                b = (held.get(j, 0) if at < ends.get(j, length) else 0) + (gathers[j][at] if j in gathers else 0)
+                if b:
+                    kept.append((j, b))
+            shared = tuple(kept)
+        out.append(shared)
+    return out
 
 
 def constant_floor(constraints: list[MemoryConstraint]) -> int:

@@ -28,7 +28,6 @@ from lightning_sac.solver.candidates import (
     forward_temporaries,
     more_candidates_hint,
     op_stats,
-    related,
 )
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
@@ -39,71 +38,19 @@ from lightning_sac.solver.memory_model import (
     memory_constraints,
     peak_with_plan,
 )
+from lightning_sac.solver.rows import MIB as _MIB
+from lightning_sac.solver.rows import add_candidates, memory_rows
 from lightning_sac.tradeoff import effective_memory
 
 # Candidate, excluded_reason and find_candidates are re-exported: callers found them here first.
 __all__ = ["Candidate", "excluded_reason", "find_candidates", "solve_plan"]
 
 _GIB = 2**30
-_MIB = 2**20
-# Rows are in MiB; HiGHS's feasibility tolerance (1e-7) is then well under a byte. A KiB of margin keeps
-# the plan's peak within the budget after rounding.
+# Rows are in MiB (lightning_sac.solver.rows); HiGHS's feasibility tolerance (1e-7) is then well under a byte. A
+# KiB of margin keeps the plan's peak within the budget after rounding.
 _MARGIN_MIB = 1 / 1024
 # How often a plan whose own figures exceed the budget is solved again under a lower limit.
 _TIGHTEN_ROUNDS = 3
-
-
-def _clean(coefficient: float) -> float:
-    return 0.0 if abs(coefficient) < 1e-9 else coefficient
-
-
-def _build(
-    h: highspy.Highs,
-    cands: list[Candidate],
-    fixed_ms: dict[str, float] | None = None,
-    factor: dict[str, float] | None = None,
-    whole_ms: dict[str, float] | None = None,
-) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
-    """Variables y (checkpoint?), r (discard ratio) and the recompute ms of each candidate, with the shared rows.
-
-    ``fixed_ms`` is what wrapping a candidate costs whatever its policy (the backend's host overhead), and
-    ``factor`` how much slower than the profile's op times its recompute runs (measured, default 1).
-    ``whole_ms`` is what a candidate costs in all at its largest discard when that policy saves nothing and so
-    runs as a plain checkpoint (:mod:`lightning_sac.apply.sac`); where that is cheaper than the fit says, a
-    binary ``w`` (at most ``y``, forcing the largest discard) takes the difference off its cost.
-    """
-    fixed_ms, factor, whole_ms = fixed_ms or {}, factor or {}, whole_ms or {}
-    y = {c.fqn: h.addBinary() for c in cands}
-    r = {c.fqn: h.addVariable(lb=0.0, ub=1.0) for c in cands}
-    rc = []
-    # Costs in units of the largest module's runtime keep coefficients near 1 whatever the target's speed
-    # (an H100 roofline gives microseconds); HiGHS refuses coefficients below 1e-9 rather than dropping them.
-    unit = max((c.tradeoff.total_runtime for c in cands), default=1.0) or 1.0
-    for c in cands:
-        t = c.tradeoff
-        h.addConstr(r[c.fqn] <= _clean(t.max_discard) * y[c.fqn])
-        h.addConstr(r[c.fqn] >= _clean(c.min_discard) * y[c.fqn])
-        cost = h.addVariable(lb=0.0)
-        scale = t.total_runtime / unit * factor.get(c.fqn, 1.0)
-        fixed = fixed_ms.get(c.fqn, 0.0) / unit
-        saving = 0.0
-        if c.fqn in whole_ms:
-            at_max = max((s * t.max_discard + b for s, b in zip(t.slopes, t.intercepts, strict=True)), default=0.0)
-            saving = _clean(scale * at_max + fixed - whole_ms[c.fqn] / unit)
-        w = None
-        if saving > 0:
-            w = h.addBinary()
-            h.addConstr(w <= y[c.fqn])
-            h.addConstr(r[c.fqn] >= _clean(t.max_discard) * w)
-        for slope, intercept in zip(t.slopes, t.intercepts, strict=True):
-            line = _clean(scale * slope) * r[c.fqn] + _clean(scale * intercept + fixed) * y[c.fqn]
-            h.addConstr(cost >= (line - saving * w if w is not None else line))
-        rc.append(cost)
-    for i, a in enumerate(cands):
-        for b in cands[i + 1 :]:
-            if related(a.fqn, b.fqn):
-                h.addConstr(y[a.fqn] + y[b.fqn] <= 1)
-    return y, r, rc
 
 
 def _whole_costs(
@@ -122,38 +69,6 @@ def _whole_costs(
     return costs
 
 
-def _freed_mib(c: Candidate, y: Any, r: Any) -> Any:
-    # d = retained - (1 - r) * ACM when checkpointed, 0 otherwise; linear in (y, r).
-    acm = c.tradeoff.total_memory
-    return _clean(acm / _MIB) * r - _clean((acm - c.retained) / _MIB) * y
-
-
-def _constraint_rows(
-    h: highspy.Highs,
-    cands: list[Candidate],
-    constraints: list[MemoryConstraint],
-    y: Any,
-    r: Any,
-    limit_mib: Any,
-    bound: bool = True,
-) -> None:
-    """The memory rows; a recompute's transient is its bound, or (``bound=False``) its line in the discard ratio."""
-    by_fqn = {c.fqn: c for c in cands}
-    for con in constraints:
-        terms = [_freed_mib(by_fqn[j], y[j], r[j]) for j in con.absent if j in by_fqn]
-        extras = [b / _MIB * y[j] for j, b in con.kept if j in by_fqn]
-        if con.recompute in by_fqn:
-            c, j = by_fqn[con.recompute], con.recompute
-            if bound:
-                extras.append(c.transient / _MIB * y[j])
-            else:
-                base, slope = c.transient_line
-                extras += [_clean(base / _MIB) * y[j], _clean(slope / _MIB) * r[j]]
-        if not terms and not extras:
-            continue  # constant rows are checked before solving
-        h.addConstr(con.base / _MIB - h.qsum(terms) + h.qsum(extras) <= limit_mib)
-
-
 def _minimum_peak(
     cands: list[Candidate], constraints: list[MemoryConstraint], bound: bool = True
 ) -> tuple[float, dict[str, float]]:
@@ -162,11 +77,11 @@ def _minimum_peak(
     A MILP minimizing the peak instead of the recompute.
     """
     h = new_highs(time_limit_s=30.0, mip_gap=1e-6)
-    y, r, _ = _build(h, cands)
+    y, r, _ = add_candidates(h, cands)
     peak = h.addVariable(lb=0.0)
     constant = constant_floor(constraints)
     h.addConstr(peak >= constant / _MIB)
-    _constraint_rows(h, cands, constraints, y, r, peak, bound=bound)
+    memory_rows(h, cands, constraints, y, r, peak, bound=bound)
     h.minimize(peak)
     return h.val(peak) * _MIB, {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
 
@@ -340,10 +255,10 @@ def solve_plan(
         tighten = 0.0
         for _ in range(_TIGHTEN_ROUNDS):
             h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-            y, r, rc = _build(h, cands, fixed_ms, factor, whole_ms)
+            y, r, rc = add_candidates(h, cands, fixed_ms, factor, whole_ms)
             status = highspy.HighsModelStatus.kInfeasible
             if constant_floor(constraints) <= budget:
-                _constraint_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
+                memory_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
                 h.minimize(h.qsum(rc))
                 status = h.getModelStatus()
             if status == highspy.HighsModelStatus.kInfeasible:

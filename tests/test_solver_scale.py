@@ -1,0 +1,245 @@
+"""The solver's fast paths (what makes an 80-layer plan take seconds) give exactly what the direct counts give.
+
+Each fast path is checked against the straightforward computation it replaced, written out here, on a real
+profile (a 2-block GPT with dropout, AdamW, on a CPU and on an H100 target) and, for FSDP, with the GPT's
+blocks as units. Equality is exact: same constraints in the same order, same bytes, same HiGHS model bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import highspy
+import numpy as np
+import pytest
+from conftest import adamw, gpt_case
+
+from lightning_sac import ModelProfile, ModuleOpStats, profile_model
+from lightning_sac.apply.recompute import recompute_costs, recompute_transient
+from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
+from lightning_sac.sharding.memory import ShardedStep
+from lightning_sac.solver import knapsack
+from lightning_sac.solver.candidates import _Transient, _transient_line, find_candidates, related
+from lightning_sac.solver.highs import new_highs
+from lightning_sac.solver.memory_model import (
+    MemoryConstraint,
+    _held,
+    backward_ends,
+    checkpoint_state_bytes,
+    device_model,
+    memory_constraints,
+)
+from lightning_sac.solver.rows import MIB, add_candidates, clean, memory_rows, related_pairs
+from lightning_sac.tradeoff import effective_memory, module_tradeoff
+
+
+@pytest.fixture(scope="module", params=["cpu", "H100-SXM"])
+def profile(request: pytest.FixtureRequest) -> ModelProfile:
+    case = gpt_case()
+    return profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device=request.param)
+
+
+def with_block_units(profile: ModelProfile) -> ModelProfile:
+    """The profile as if each GPT block were an FSDP2 unit under a root unit that keeps the rest, on 4 ranks."""
+    blocks = [fqn for fqn in profile.modules if fqn.startswith("blocks.") and fqn.count(".") == 1]
+    assert len(blocks) == 2
+    units = [FSDPUnit("", 4096, 16384, 16384, 16384, 4096, 16384, reshard_after_forward=False)]
+    for fqn in blocks:
+        size = profile.modules[fqn].parameter_bytes
+        units.append(FSDPUnit(fqn, size // 4, size, size, size, size // 4, size))
+    return replace(profile, sharded=ShardedLayout("fsdp2", 4, units))
+
+
+def direct_memory_constraints(
+    profile: ModelProfile, windows: Mapping[str, tuple[int, int]], world_size: int, sharding: str
+) -> list[MemoryConstraint]:
+    """memory_constraints as it was written first: every candidate asked at every timeline index."""
+    worst: dict[Any, int] = {}
+    fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
+    on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
+    ends = backward_ends(profile)
+    # A CPU checkpoint keeps the generator state it stashed from its forward's start to its backward's end.
+    state = checkpoint_state_bytes(profile)
+    starts = {e.name: k for k, e in reversed(list(enumerate(profile.timeline))) if e.kind == "fwd_pre"}
+    holding = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
+    gathers = {j for j in windows if fsdp is not None and fsdp.units_inside(j)}
+
+    def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
+        kept = tuple(
+            (j, b)
+            for j in sorted(holding)
+            if (
+                b := (sum(n for d, n in holding[j] if d <= at) if at < ends.get(j, len(profile.timeline)) else 0)
+                + (fsdp.recompute_gathers(j, at) if fsdp is not None and j in gathers else 0)
+            )
+        )
+        key = (absent, recompute, kept)
+        worst[key] = max(worst.get(key, base), base)
+
+    for k, event in enumerate(profile.timeline):
+        absent = frozenset(j for j, (e, b) in windows.items() if e <= k < b)
+        add(on_device(k, event.peak_after or event.at), absent, None, k)
+        if fsdp is not None:
+            add(on_device(k, event.at, moment=True), absent, None, k)
+    for j, (_, begin) in windows.items():
+        absent = frozenset(i for i, (e, b) in windows.items() if e <= begin < b)
+        add(on_device(begin, profile.timeline[begin].at, moment=True), absent, j, begin)
+    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
+
+
+@pytest.mark.parametrize("sharding", ["replicated", "sharded", "sharded by units"])
+def test_memory_constraints_are_the_direct_count(profile: ModelProfile, sharding: str) -> None:
+    if sharding == "sharded by units":
+        profile, sharding = with_block_units(profile), "sharded"
+    windows = {c.fqn: c.window for c in find_candidates(profile)}
+    assert len(windows) >= 6
+    fast = memory_constraints(profile, windows, world_size=4, sharding=sharding)
+    assert fast == direct_memory_constraints(profile, windows, 4, sharding)
+    assert any(c.kept for c in fast) and len({c.absent for c in fast}) > 3  # the sweeps had work to do
+
+
+def test_recompute_gathers_series_is_recompute_gathers_at_each_moment(profile: ModelProfile) -> None:
+    fsdp = ShardedStep(profile, with_block_units(profile).sharded)  # type: ignore[arg-type]
+    nonzero = 0
+    for fqn in profile.modules:
+        series = fsdp.recompute_gathers_series(fqn)
+        assert series == [fsdp.recompute_gathers(fqn, k) for k in range(len(profile.timeline))]
+        nonzero += any(series)
+    assert nonzero == 1 and any(fsdp.recompute_gathers_series(""))  # only the root contains units
+
+
+def direct_transient_line(stats: ModuleOpStats, bound: int, backend: str) -> tuple[float, float]:
+    """_transient_line as it was written first: the transient recounted at every point of the greedy order."""
+    tradeoff = module_tradeoff(stats)
+    policy = [0 if i in stats.view_like_ops else 1 for i in range(len(stats.func_names))]
+    base = float(recompute_transient(stats, policy, backend) or 0)
+    points = []
+    for unit, (discard, _) in zip(tradeoff.order, tradeoff.curve[1:], strict=True):
+        for i in unit.ops:
+            policy[i] = 0
+        if discard > 0:
+            points.append(((recompute_transient(stats, policy, backend) or 0) - base) / discard)
+    slope = max(points, default=0.0)
+    if tradeoff.max_discard > 0:
+        slope = min(slope, (bound - base) / tradeoff.max_discard)
+    return base, slope
+
+
+@pytest.mark.parametrize("backend", ["sac", "graph"])
+def test_transient_line_is_the_recount_at_every_point(profile: ModelProfile, backend: str) -> None:
+    checked = 0
+    for m in profile.modules.values():
+        stats = m.op_stats
+        if stats is None or not module_tradeoff(stats).order:
+            continue
+        bound = recompute_transient(stats, None, backend)
+        assert bound is not None
+        line = _transient_line(stats, module_tradeoff(stats), bound, backend)
+        assert line == direct_transient_line(stats, bound, backend)
+        checked += line[1] != 0
+    assert checked >= 3
+
+
+def test_transient_line_of_frees_before_and_at_the_op_that_made_them() -> None:
+    # Op 2's storage is freed when op 2 itself runs (no span); op 3's is "freed" (index 1) before op 3 makes it
+    # (index 3), so the running total dips over [1, 3). Op 5 is stateful (never recomputed, a saved temporary of
+    # 1000 bytes); op 4 is the module's output (rerun: a second copy of 10 bytes). Keeping everything, the saved
+    # temporaries are 1750 bytes. Recomputing ops 3, 1, 0, 2, 4 in that order (most bytes first), the highest
+    # running total is 1350 (op 3 no longer saved), 1150, 1150 (op 0's 100 back at index 0), 1100, then 1110.
+    # Everything rerun (the bound, op 5 included): 0 before the rerun, 1100 once op 5 reruns, plus 10.
+    stats = ModuleOpStats(
+        func_names=[f"op{i}" for i in range(6)],
+        runtimes=[1.0] * 6,
+        memory=[100, 200, 50, 400, 10, 1000],
+        freed_at=[6, 3, 2, 1, -1, 6],
+        stateful_ops=[5],
+        output_ops=[4],
+        recompute_stop=6,
+    )
+    tradeoff = module_tradeoff(stats)
+    assert [u.ops for u in tradeoff.order] == [(3,), (1,), (0,), (2,), (4,)]
+    bound = recompute_transient(stats, None, "sac")
+    assert bound == 1100 + 10
+    live = _Transient(stats, [1] * 6, "sac")
+    seen = [live.value()]
+    for unit in tradeoff.order:
+        live.recompute(unit.ops[0])
+        seen.append(live.value())
+    assert seen == [1750, 1350, 1150, 1150, 1100, 1110]
+    line = _transient_line(stats, tradeoff, bound, "sac")
+    assert line == direct_transient_line(stats, bound, "sac")
+    # From 1750, the steepest of the points' slopes (each point's discard is on the curve) reaching the bound.
+    slopes = [(t - 1750) / d for t, (d, _) in zip(seen[1:], tradeoff.curve[1:], strict=True)]
+    assert line == (1750.0, min(max(slopes), (1110 - 1750) / tradeoff.max_discard))
+
+
+def test_knapsack_is_solved_once_per_distinct_module_and_budget(profile: ModelProfile) -> None:
+    stats = next(m.op_stats for fqn, m in profile.modules.items() if fqn == "blocks.0")
+    twin = next(m.op_stats for fqn, m in profile.modules.items() if fqn == "blocks.1")
+    assert stats is not None and twin is not None and stats == twin  # identical blocks, identical stats
+    knapsack._CACHE.clear()
+    first = knapsack.optimal_op_policy(stats, 0.5)
+    first[0] = 7  # the caller's list is its own
+    assert knapsack.optimal_op_policy(twin, 0.5) == knapsack._solve_knapsack(twin, 0.5, *_effective_and_costs(twin))
+    assert len(knapsack._CACHE) == 1
+    knapsack.optimal_op_policy(stats, 0.25)
+    assert len(knapsack._CACHE) == 2
+
+
+def _effective_and_costs(stats: ModuleOpStats) -> tuple[list[int], list[float]]:
+    return effective_memory(stats), recompute_costs(stats)
+
+
+def test_related_pairs_are_every_nested_pair_in_order(profile: ModelProfile) -> None:
+    cands = find_candidates(profile)
+    direct = [(i, j) for i, a in enumerate(cands) for j, b in enumerate(cands) if i < j and related(a.fqn, b.fqn)]
+    assert related_pairs(cands) == direct
+    assert len(direct) >= 5
+
+
+def direct_rows(h: highspy.Highs, cands: Any, constraints: Any, y: Any, r: Any, limit: Any, bound: bool) -> None:
+    """The memory rows as operator expressions, as lightning_sac.solver first built them."""
+    by_fqn = {c.fqn: c for c in cands}
+    for con in constraints:
+        terms = []
+        for j in con.absent:
+            if j in by_fqn:
+                acm = by_fqn[j].tradeoff.total_memory
+                terms.append(clean(acm / MIB) * r[j] - clean((acm - by_fqn[j].retained) / MIB) * y[j])
+        extras = [b / MIB * y[j] for j, b in con.kept if j in by_fqn]
+        if con.recompute in by_fqn:
+            c, j = by_fqn[con.recompute], con.recompute
+            if bound:
+                extras.append(c.transient / MIB * y[j])
+            else:
+                base, slope = c.transient_line
+                extras += [clean(base / MIB) * y[j], clean(slope / MIB) * r[j]]
+        if terms or extras:
+            h.addConstr(con.base / MIB - h.qsum(terms) + h.qsum(extras) <= limit)
+
+
+def lp_arrays(h: highspy.Highs) -> list[np.ndarray]:
+    lp = h.getLp()
+    a = lp.a_matrix_
+    return [np.asarray(v) for v in (a.start_, a.index_, a.value_, lp.row_lower_, lp.row_upper_, lp.col_upper_)]
+
+
+@pytest.mark.parametrize("bound", [True, False])
+@pytest.mark.parametrize("limit", ["float", "variable"])
+def test_memory_rows_give_highs_the_model_expressions_give(profile: ModelProfile, bound: bool, limit: str) -> None:
+    profile = with_block_units(profile)
+    cands = find_candidates(profile)
+    constraints = memory_constraints(profile, {c.fqn: c.window for c in cands}, world_size=4, sharding="sharded")
+    models = []
+    for rows in (memory_rows, direct_rows):
+        h = new_highs(time_limit_s=1.0, mip_gap=0.0)
+        y, r, _ = add_candidates(h, cands)
+        peak = h.addVariable(lb=0.0) if limit == "variable" else 1234.5
+        rows(h, cands, constraints, y, r, peak, bound)
+        models.append(lp_arrays(h))
+    fast, direct = models
+    assert len(fast[3]) > 2 * len(cands)  # memory rows were added
+    for a, b in zip(fast, direct, strict=True):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()  # bit for bit

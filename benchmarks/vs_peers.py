@@ -71,10 +71,10 @@ class Case:
 
 @dataclass
 class Config:
-    """One configuration: its model, measured peak and step times."""
+    """One configuration: how to make its model, its measured peak and step times."""
 
     name: str
-    model: nn.Module
+    make: Callable[[], nn.Module]  # a fresh copy of the model, configured
     plan: Plan | None = None
     peer: str | None = None  # for ours: the peer whose peak was the budget
     peak: int = 0
@@ -143,13 +143,16 @@ def time_rounds(case: Case, configs: list[Config], rounds: int) -> None:
     """One step of each configuration per round, in a shuffled order; two warm-up rounds."""
     inputs = model_inputs(case.batch)
     loss = model_loss(case.loss_fn)
-    opts = [case.optimizer(c.model.parameters()) for c in configs]
+    # Every timed copy is made here, together: copies made at different moments (before or after the profile's
+    # own work grew the heap) land in differently fragmented memory, which alone moved a step by 8% here.
+    models = [c.make() for c in configs]
+    opts = [case.optimizer(m.parameters()) for m in models]
     order, shuffle = list(range(len(configs))), random.Random(0)
     for i in range(rounds + 2):
         shuffle.shuffle(order)
         for k in order:
             start = time.perf_counter()
-            training_step(configs[k].model, inputs, loss, opts[k])
+            training_step(models[k], inputs, loss, opts[k])
             if i >= 2:
                 configs[k].times.append(time.perf_counter() - start)
     base = configs[0].times
@@ -173,9 +176,13 @@ def ours(case: Case, profile: Any, budget: int, label: str, peer: str | None = N
             return None
         print(f"{label}: planned at our model's least peak, {least - budget} bytes above {peer}'s measured one")
         plan = solve_plan(profile, least / GIB)
-    model = copy.deepcopy(case.model)
-    apply_plan(model, plan)
-    return Config(label, model, plan=plan, peer=peer)
+
+    def make() -> nn.Module:
+        model = copy.deepcopy(case.model)
+        apply_plan(model, plan)
+        return model
+
+    return Config(label, make, plan=plan, peer=peer)
 
 
 def main() -> None:  # noqa: C901, PLR0915
@@ -198,15 +205,16 @@ def main() -> None:  # noqa: C901, PLR0915
     torch.set_num_threads(args.threads)
     case = (demo_gpt if args.model == "gpt" else hf_llama)(args)
 
+    def plain() -> nn.Module:
+        return copy.deepcopy(case.model)
+
     # A second plain copy, timed like the others: its overhead is the noise floor of this machine and method.
-    configs = [Config("plain", copy.deepcopy(case.model)), Config("plain B", copy.deepcopy(case.model))]
+    configs = [Config("plain", plain), Config("plain B", plain)]
     for name, wrap in PEERS.items():
-        wrapped = wrap(copy.deepcopy(case.model))
-        if wrapped is not None:
-            configs.append(Config(name, wrapped))
-            # On a copy wrapped alike: a deep copy of a wrapped model would call the original's blocks.
-            configs[-1].peak = measured_peak(case, wrap(copy.deepcopy(case.model)))
-    configs[0].peak = configs[1].peak = measured_peak(case, copy.deepcopy(case.model))
+        if wrap(copy.deepcopy(case.model)) is not None:
+            configs.append(Config(name, lambda wrap=wrap: wrap(copy.deepcopy(case.model))))
+    for c in configs:
+        c.peak = measured_peak(case, c.make())
     start = time.perf_counter()
     profile = profile_model(
         case.model,
@@ -225,10 +233,7 @@ def main() -> None:  # noqa: C901, PLR0915
         o = ours(case, profile, int(configs[0].peak * fraction), f"ours @ {fraction:.0%}")
         planned += [o] if o else []
     for o in planned:
-        assert o.plan is not None
-        measured = copy.deepcopy(case.model)
-        apply_plan(measured, o.plan)
-        o.peak = measured_peak(case, measured)
+        o.peak = measured_peak(case, o.make())
     configs += planned
     if args.rounds:
         time_rounds(case, configs, args.rounds)

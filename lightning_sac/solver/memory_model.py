@@ -113,21 +113,22 @@ def checkpoint_state_bytes(profile: ModelProfile) -> int:
     return profile.device.round_bytes(torch.get_rng_state().nbytes)
 
 
-def _forward_starts(profile: ModelProfile) -> dict[str, int]:
-    starts: dict[str, int] = {}
+def _first_events(profile: ModelProfile, kind: str) -> dict[str, int]:
+    """Per module, the timeline index of its first event of ``kind``."""
+    first: dict[str, int] = {}
     for k, e in enumerate(profile.timeline):
-        if e.kind == "fwd_pre":
-            starts.setdefault(e.name, k)
-    return starts
+        if e.kind == kind:
+            first.setdefault(e.name, k)
+    return first
+
+
+def _forward_starts(profile: ModelProfile) -> dict[str, int]:
+    return _first_events(profile, "fwd_pre")
 
 
 def backward_ends(profile: ModelProfile) -> dict[str, int]:
     """Per module, the timeline index of its (first) backward's end."""
-    ends: dict[str, int] = {}
-    for k, e in enumerate(profile.timeline):
-        if e.kind == "bwd_post":
-            ends.setdefault(e.name, k)
-    return ends
+    return _first_events(profile, "bwd_post")
 
 
 def activation_windows(profile: ModelProfile) -> dict[str, tuple[int, int]]:

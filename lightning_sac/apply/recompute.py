@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS",
     "check_backend",
+    "output_indices",
     "output_op",
     "recompute_transient",
     "rerun_output_bytes",
@@ -102,6 +103,16 @@ def output_op(stats: ModuleOpStats) -> int | None:
     return next((i for i in range(len(stats.func_names) - 1, -1, -1) if i not in skip), None)
 
 
+def output_indices(stats: ModuleOpStats) -> set[int]:
+    """Indices of the ops that made the module's output: its output ops and :func:`output_op`.
+
+    Their storages outlive the module's forward because the module returns them, not because its backward
+    keeps them, so a recompute does not rebuild them as discarded activations.
+    """
+    out = output_op(stats)
+    return set(stats.output_ops) | ({out} if out is not None else set())
+
+
 def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int:
     """Bytes of a second copy of the module's output that one backward's recompute allocates.
 
@@ -135,8 +146,7 @@ def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, back
     if len(stats.freed_at) != n:
         return None
     stop = _stop(stats)
-    out = output_op(stats)
-    outputs = set(stats.output_ops) | ({out} if out is not None else set())
+    outputs = output_indices(stats)
     saved_temps = sum(
         m for i, m in enumerate(stats.memory) if policy is not None and policy[i] and stats.freed_at[i] >= 0
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sac.apply.recompute import output_op, recompute_transient, rerun_output_bytes
+from lightning_sac.apply.recompute import output_indices, recompute_transient, rerun_output_bytes
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.solver.memory_model import activation_windows
 from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
@@ -181,8 +181,7 @@ class _Transient:
     def __init__(self, stats: ModuleOpStats, policy: list[int], backend: str) -> None:
         self.stats, self.policy, self.backend = stats, [1] * len(policy), backend
         self.stop = len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
-        out = output_op(stats)
-        self.outputs = set(stats.output_ops) | ({out} if out is not None else set())
+        self.outputs = output_indices(stats)
         self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
         self.alive += sum(m for i, m in enumerate(stats.memory) if stats.freed_at[i] >= 0)  # every temporary saved
         for i, saved in enumerate(policy):

@@ -64,12 +64,20 @@ class CacheCall:
         kwargs: The keyword arguments to call with.
         switched_off: Names of what was switched off (``"use_cache"``, ``"past_key_values"``, ``"arg 2"``...).
         holds_tokens: Names of cache arguments that already hold tokens (left as they are).
+        writes_cache: Outside training with gradients on (evaluation mode), names of the cache arguments the call
+            writes (left as they are: what the model returns is the user's); a checkpoint must not rerun it.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     switched_off: list[str] = field(default_factory=list)
     holds_tokens: list[str] = field(default_factory=list)
+    writes_cache: list[str] = field(default_factory=list)
+
+    @property
+    def unplanned(self) -> list[str]:
+        """The cache arguments that make the call run as it is, without a checkpoint."""
+        return self.holds_tokens or self.writes_cache
 
 
 def layer_indices(module: nn.Module) -> tuple[int, ...]:
@@ -94,7 +102,8 @@ def without_kv_caches(
     """The call of ``module`` as it runs in training under a plan: without an empty KV cache, ``use_cache=False``.
 
     Outside training (``module.training`` false or gradients off), and when a cache already holds tokens for the
-    module's layers (:attr:`CacheCall.holds_tokens`), the call is returned unchanged.
+    module's layers (:attr:`CacheCall.holds_tokens`), the call is returned unchanged; in evaluation mode with
+    gradients on, :attr:`CacheCall.writes_cache` names its cache arguments.
 
     Args:
         module: The module called.
@@ -103,10 +112,15 @@ def without_kv_caches(
         layers: :func:`layer_indices` of the module, if known (computed otherwise).
     """
     call = CacheCall(args, dict(kwargs))
-    if not (module.training and torch.is_grad_enabled()):
+    if not torch.is_grad_enabled():
         return call
     named = [*((f"argument {i}", v) for i, v in enumerate(args)), *kwargs.items()]
     caches = {name: v for name, v in named if is_kv_cache(v)}
+    if not module.training:
+        # Evaluation with gradients on: the caches stay (what the model returns is the user's), and a call that
+        # writes one must not run twice, as a checkpoint's recompute would run it.
+        call.writes_cache = sorted(caches)
+        return call
     if caches:
         layers = layer_indices(module) if layers is None else layers
         call.holds_tokens = [name for name, v in caches.items() if _holds_tokens(v, layers)]

@@ -213,7 +213,7 @@ def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff
     # Identical blocks of a deep model have identical stats: they share one fit.
     key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
     key += repr((stats.stateful_ops, stats.reads_before_overwrite, stats.force_store_random))
-    key += repr((stats.recompute_stop, n_segments))
+    key += repr((stats.recompute_stop, stats.output_ops, stats.output_saved_inside, n_segments))
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()

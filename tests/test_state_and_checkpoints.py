@@ -12,7 +12,7 @@ from torch import nn
 from zoo import FAMILIES, gpt2, self_checkpointing
 
 from lightning_sac import BudgetError, apply_plan, optimal_op_policy, profile_model, solve_plan
-from lightning_sac.caches import without_kv_caches
+from lightning_sac.caches import is_kv_cache, without_kv_caches
 from lightning_sac.demos import ConvNet
 from lightning_sac.measure import measure_training_step
 from lightning_sac.profiling.ops import mutated_tensors
@@ -110,6 +110,56 @@ def test_a_planned_module_called_with_a_cache_holding_tokens_runs_unplanned():
     torch.manual_seed(3)
     torch.testing.assert_close(loss, plain(**batch, past_key_values=copy.deepcopy(prefix)).loss)
     assert all(w.calls == 0 for w in handle.wrappers.values())
+
+
+def test_an_evaluation_call_with_grad_and_a_kv_cache_runs_unplanned_and_keeps_the_cache():
+    # GPT-2's config has use_cache on: in evaluation mode with gradients on (a frozen-dropout fine-tune, a PPO
+    # policy), every attention writes the model's DynamicCache. Run under a checkpoint, the recompute wrote it a
+    # second time and backward failed ("aten.mul.Scalar encountered during backward but not found in storage").
+    family = gpt2()
+    assert family.model.config.use_cache
+    profile = profile_model(family.model, family.batch, device="cpu")
+    plan = solve_plan(profile, 0.7 * profile.peak_bytes / GIB)
+    plain, planned = copy.deepcopy(family.model).eval(), copy.deepcopy(family.model).eval()
+    handle = apply_plan(planned, plan)
+    takers = _cache_takers(plain, family.batch)
+    assert takers & set(handle.wrappers), (takers, list(handle.wrappers))  # some planned module gets the cache
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = planned(**family.batch)
+            out.loss.backward()
+    said = [w for w in caught if "evaluation mode with gradients on and a KV cache" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]  # once, for every module and call
+    reference = plain(**family.batch)
+    reference.loss.backward()
+    torch.testing.assert_close(out.loss, reference.loss)
+    tokens = family.batch["input_ids"].shape[1]
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == tokens  # the user's cache
+    for p, q in zip(plain.parameters(), planned.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, 2 * p.grad)  # two planned steps accumulated, one plain
+    # The calls that took the cache ran unplanned; the others still ran their policies.
+    assert {f for f, w in handle.wrappers.items() if w.calls == 0} == takers & set(handle.wrappers)
+    assert all(w.calls == 2 for f, w in handle.wrappers.items() if f not in takers)
+
+
+def _cache_takers(model: nn.Module, batch: dict[str, torch.Tensor]) -> set[str]:
+    """The modules a forward of ``model`` calls with a KV cache among their arguments."""
+    found: set[str] = set()
+
+    def hook(fqn: str):  # noqa: ANN202
+        def record(module, args, kwargs):  # noqa: ANN001, ANN202
+            if any(is_kv_cache(v) for v in (*args, *kwargs.values())):
+                found.add(fqn)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(f), with_kwargs=True) for f, m in model.named_modules()]
+    with torch.no_grad():
+        model(**batch)
+    for h in handles:
+        h.remove()
+    return found
 
 
 # ----------------------------------------------------------------------------- the model's own checkpointing

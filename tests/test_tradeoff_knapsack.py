@@ -51,6 +51,17 @@ def test_effective_memory_zeroes_the_modules_output_op_when_its_own_backward_kee
     assert effective_memory(downstream) == [100, 0, 100, 0, 50, 200, 50, 100]
 
 
+def test_modules_that_differ_only_in_what_keeps_their_output_do_not_share_a_trade_off():
+    # The trade-offs of equal stats are shared; whether the output costs memory is part of what makes them equal.
+    kept, unsaved = toy(), toy()
+    unsaved.output_saved_inside = False
+    assert module_tradeoff(kept).total_memory == 500
+    assert module_tradeoff(unsaved).total_memory == 600
+    other_output = toy()
+    other_output.output_ops = [5]  # the mm made the output: it is free to keep, and the add is not
+    assert module_tradeoff(other_output).total_memory == 400
+
+
 def test_greedy_order_and_curve():
     t = module_tradeoff(toy(), n_segments=2)
     assert [u.ops for u in t.order] == [(2, 3), (4, 6), (0,), (5,)]  # MSPS 50, 25, 10, 10 (tie: earlier op)

@@ -68,8 +68,7 @@ def _train_step(model, batch):  # noqa: ANN001, ANN202
 
 def test_a_policy_that_saves_nothing_runs_plainly_after_one_checked_call_of_each_kind():
     family = gpt2()  # Hugging Face GPT-2, dropout on: random ops in every block
-    # Without KV caches: with them, an evaluation-mode call with grad on fails in recompute under any selective
-    # policy (a known bug of the KV-cache handling, not of this path, left for its own issue).
+    # Without KV caches: with them, the evaluation-mode calls below would run unplanned (they write the cache).
     family.model.config.use_cache = False
     profile = profile_model(family.model, family.batch, optimizer_factory=adamw, device="cpu")
     blocks = [f for f in profile.modules if f.count(".") == 2 and f.startswith("transformer.h.")]

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
 from lightning_sac.apply.traced import TraceReport, traced_contexts
-from lightning_sac.caches import layer_indices, without_kv_caches
+from lightning_sac.caches import CacheCall, layer_indices, without_kv_caches
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors, op_name
 
@@ -221,8 +221,8 @@ class PlannedForward:
     def run_traced(self, *args: Any, **kwargs: Any) -> Any:
         """The forward as ``torch.compile`` traces it: a checkpoint whose ``context_fn`` dynamo can pass on."""
         call = without_kv_caches(self.module, args, kwargs, self.layers)
-        if call.holds_tokens:
-            _said_tokens(self, call.holds_tokens)
+        if call.unplanned:
+            _said_unplanned(self, call)
             return self.inner(*args, **kwargs)
         return checkpoint(self.inner, *call.args, use_reentrant=False, context_fn=self.traced_contexts, **call.kwargs)
 
@@ -233,8 +233,8 @@ class PlannedForward:
         if torch.compiler.is_compiling():
             return self.run_traced(*args, **kwargs)
         call = without_kv_caches(self.module, args, kwargs, self.layers)
-        if call.holds_tokens:
-            _said_tokens(self, call.holds_tokens)
+        if call.unplanned:
+            _said_unplanned(self, call)
             return self.inner(*args, **kwargs)
         state = self.begin()
         out = self.run(state, *call.args, **call.kwargs)
@@ -243,11 +243,20 @@ class PlannedForward:
 
 
 @torch.compiler.disable
-def _said_tokens(forward: PlannedForward, holds_tokens: list[str]) -> None:
+def _said_unplanned(forward: PlannedForward, call: CacheCall) -> None:
     # Not traced under compile (warnings are not): a rare path, where a graph break costs nothing that matters.
-    forward.notices.warn(
-        f"tokens:{forward.fqn}",
-        f"lightning-sac: module {forward.fqn!r} was called with a KV cache that already holds tokens "
-        f"({', '.join(holds_tokens)}); recomputing it would update that cache twice, so such calls run "
-        "without the plan (its memory is not saved). (Warned once.)",
-    )
+    if call.holds_tokens:
+        forward.notices.warn(
+            f"tokens:{forward.fqn}",
+            f"lightning-sac: module {forward.fqn!r} was called with a KV cache that already holds tokens "
+            f"({', '.join(call.holds_tokens)}); recomputing it would update that cache twice, so such calls run "
+            "without the plan (its memory is not saved). (Warned once.)",
+        )
+    else:
+        forward.notices.warn(
+            "eval-cache",  # once per plan: every layer of a decoder meets it in the same call
+            f"lightning-sac: module {forward.fqn!r} (and any other planned module so called) was called in "
+            f"evaluation mode with gradients on and a KV cache ({', '.join(call.writes_cache)}), which the call "
+            "writes; recomputing it would write that cache twice, so such calls run without the plan (their memory "
+            "is not saved). Pass use_cache=False to run them planned. (Warned once.)",
+        )

@@ -10,10 +10,13 @@ import torch
 from conftest import gpt_case
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from zoo import resnet
 
 from lightning_sac import profile_model, solve_plan
 from lightning_sac.profiling.calibrate import TensorSpec, input_spec
 from lightning_sac.recompute import fixed_overhead_ms, overhead_ms, recompute_ms
+from lightning_sac.solver.knapsack import least_kept_policy
+from lightning_sac.tradeoff import effective_memory
 
 GIB = 2**30
 
@@ -162,3 +165,23 @@ def test_input_spec_keeps_layout_not_tensors():
     assert torch.equal(kwargs["ids"].materialize(), torch.zeros(3, dtype=torch.long))  # valid indices
     grad_spec = input_spec(torch.ones(2, requires_grad=True))
     assert grad_spec.materialize().requires_grad and grad_spec.materialize().is_leaf
+
+
+def test_residual_blocks_whose_batch_norm_must_be_saved_are_measured():
+    # A ResNet block's first BatchNorm writes running statistics and its output is no block output: every policy
+    # saves it, so "recompute everything" (a budget of 0) has no policy. Such blocks were named in a warning as
+    # modules that "could not run" and kept the per-op figures; they are measured with the least they can keep.
+    family = resnet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile = profile_model(family.model, family.batch, loss_fn=family.loss_fn, device="cpu", estimate="benchmark")
+    blocks = [f for f in profile.modules if f.startswith("layer") and f.count(".") == 1]
+    assert blocks
+    for fqn in blocks:
+        stats = profile.modules[fqn].op_stats
+        least = least_kept_policy(stats)
+        assert any(least)  # the block must keep something: the case at hand
+        assert sum(m for m, keep in zip(effective_memory(stats), least, strict=True) if keep) > 0
+        measured = profile.modules[fqn].measured_overhead
+        assert set(measured) == {"sac", "graph"}, fqn
+        assert all(len(v) == 2 and v[1] > 0 for v in measured.values())  # no plain-checkpoint figure: BN inside

@@ -11,7 +11,8 @@ module they fall short (a GPT block of this repository's benchmark pays 1.5-2x a
 * An op rerun in backward runs slower than the same op timed in isolation.
 
 So for each module a plan may wrap, a copy of the real module is run on synthetic inputs of its profiled shapes:
-plainly, and under each backend with every op saved and with every op recomputed. From their times, per
+plainly, and under each backend with every op saved and with every op recomputed that may be (a BatchNorm's output
+stays saved: :func:`~lightning_sac.solver.knapsack.least_kept_policy`). From their times, per
 backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 
 * ``fixed_ms``: the keep-all step minus the plain one: what wrapping costs whatever the policy;
@@ -172,13 +173,15 @@ def _measure(
     # The appliers and the knapsack import the profiler's data model: imported here to avoid a cycle.
     from lightning_sac.apply import apply_plan
     from lightning_sac.apply.sac import runs_whole, whole_checkpoints
-    from lightning_sac.solver.knapsack import optimal_op_policy
+    from lightning_sac.solver.knapsack import least_kept_policy
 
     stats = prof.op_stats
     assert stats is not None  # checked by the caller
     twin = copy.deepcopy(module, memo={id(o): o for o in share})
     n = len(stats.func_names)
-    policies = {"keep": [1] * n, "recompute": optimal_op_policy(stats, 0.0)}
+    # "recompute": the most a policy can discard. A module with a BatchNorm inside (a ResNet block) must keep
+    # that op's output, so a budget of 0 has no policy.
+    policies = {"keep": [1] * n, "recompute": least_kept_policy(stats)}
     plans = {which: whole_module_plan(stats.func_names, policy) for which, policy in policies.items()}
     configs: list[tuple[str, str]] = [("plain", "")] + [(b, p) for b in BACKENDS for p in policies]
     # A policy that saves nothing runs a plain checkpoint (lightning_sac.apply.sac), timed on its own.

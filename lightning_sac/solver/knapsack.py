@@ -11,7 +11,7 @@ from lightning_sac.profiling.data import ModuleOpStats
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.tradeoff import effective_memory, module_tradeoff, recompute_units
 
-__all__ = ["greedy_op_policy", "optimal_op_policy"]
+__all__ = ["greedy_op_policy", "least_kept_policy", "optimal_op_policy"]
 
 SAVE, RECOMPUTE = 1, 0
 
@@ -109,6 +109,16 @@ def _solve_knapsack(stats: ModuleOpStats, memory_budget: float, memory: list[int
     if status != highspy.HighsModelStatus.kOptimal:
         raise RuntimeError(f"HiGHS could not solve the op knapsack: {h.modelStatusToString(status)}.")
     return [round(v) for v in h.vals(x)]
+
+
+def least_kept_policy(stats: ModuleOpStats) -> list[int]:
+    """The policy that keeps the least of the module's op memory: everything recomputed but what must be saved.
+
+    What must be saved (stateful ops such as BatchNorm's, in-place writes to tensors from outside the module,
+    forced random ops; see :func:`~lightning_sac.tradeoff.recompute_units`) may hold memory, so a budget of 0
+    can be infeasible; this one never is.
+    """
+    return optimal_op_policy(stats, _min_budget(stats))
 
 
 def greedy_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:

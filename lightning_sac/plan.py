@@ -36,6 +36,8 @@ class ModuleDecision:
             :attr:`ModelProfile.backend_overhead_us`; see :func:`lightning_sac.recompute.overhead_ms`).
         op_names: The op each entry of ``op_policy`` is for (``"aten.mm.default"``...), in order, so that a
             policy applied at run time can tell when the module runs other ops than the profiled ones.
+        skipped_ops: Indices of recomputed ops the SAC backend's recompute skips because nothing needs their
+            values (:func:`lightning_sac.recompute.skipped_ops`); not counted in ``recompute_ms``.
     """
 
     discard_ratio: float
@@ -44,6 +46,7 @@ class ModuleDecision:
     freed_bytes: int
     op_names: list[str] = field(default_factory=list)
     overhead_ms: float = 0.0
+    skipped_ops: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -11,6 +11,7 @@ from lightning_sac.apply.recompute import (
     recompute_transient,
     recomputed_ops,
     rerun_output_bytes,
+    skipped_ops,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "recompute_transient",
     "recomputed_ops",
     "rerun_output_bytes",
+    "skipped_ops",
 ]

@@ -103,7 +103,7 @@ def effective_memory(stats: ModuleOpStats) -> list[int]:
     return memory
 
 
-def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[RecomputeUnit]]:
+def recompute_units(stats: ModuleOpStats, backend: str = "sac") -> tuple[list[RecomputeUnit], list[RecomputeUnit]]:
     """Group ops into units; return ``(candidates, stored)``. View-like ops belong to neither: always recomputed.
 
     In-place ops join the op that produced the storage they mutate, and an op that reads a tensor before an in-place
@@ -126,7 +126,7 @@ def recompute_units(stats: ModuleOpStats) -> tuple[list[RecomputeUnit], list[Rec
     for a, b in itertools.pairwise(stats.rand_ops):
         parent[find(b)] = find(a)
     memory = effective_memory(stats)
-    costs = recompute_costs(stats)
+    costs = recompute_costs(stats, backend)
     views = set(stats.view_like_ops)
     own_storage = {op for op, head in stats.inplace_ops if op == head}
     stateful = set(stats.stateful_ops)
@@ -174,10 +174,10 @@ def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[floa
     return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
 
 
-def _compute_tradeoff(stats: ModuleOpStats, n_segments: int) -> ModuleTradeoff:
-    candidates, stored = recompute_units(stats)
+def _compute_tradeoff(stats: ModuleOpStats, n_segments: int, backend: str) -> ModuleTradeoff:
+    candidates, stored = recompute_units(stats, backend)
     total_memory = sum(effective_memory(stats))
-    total_runtime = float(sum(recompute_costs(stats)))
+    total_runtime = float(sum(recompute_costs(stats, backend)))
     order = sorted(candidates, key=lambda u: (-u.msps, u.ops[0]))
     result = ModuleTradeoff(total_memory=total_memory, total_runtime=total_runtime, stored=stored, order=order)
     if total_memory == 0 or not order:
@@ -199,7 +199,7 @@ def _compute_tradeoff(stats: ModuleOpStats, n_segments: int) -> ModuleTradeoff:
     return result
 
 
-def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff:
+def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2, backend: str = "sac") -> ModuleTradeoff:
     """The greedy trade-off curve of a module and its fit with ``n_segments`` lines, reproducibly.
 
     The result is shared between calls with equal stats: treat it as read-only.
@@ -207,15 +207,17 @@ def module_tradeoff(stats: ModuleOpStats, n_segments: int = 2) -> ModuleTradeoff
     Args:
         stats: The module's op statistics.
         n_segments: Lines of the piecewise-linear fit (fewer when the curve has fewer points).
+        backend: The backend whose recompute costs the curve is of (:func:`~lightning_sac.recompute.recompute_costs`).
     """
     if n_segments < 1:
         raise ValueError(f"n_segments must be at least 1, got {n_segments}.")
     # Identical blocks of a deep model have identical stats: they share one fit.
-    key = repr((stats.memory, stats.runtimes, stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
+    # The costs stand for the runtimes and the op graph that decides what a recompute skips.
+    key = repr((stats.memory, recompute_costs(stats, backend), stats.view_like_ops, stats.rand_ops, stats.inplace_ops))
     key += repr((stats.stateful_ops, stats.reads_before_overwrite, stats.force_store_random))
     key += repr((stats.recompute_stop, stats.output_ops, stats.output_saved_inside, n_segments))
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()
-        _CACHE[key] = _compute_tradeoff(stats, n_segments)
+        _CACHE[key] = _compute_tradeoff(stats, n_segments, backend)
     return _CACHE[key]

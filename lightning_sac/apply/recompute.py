@@ -9,6 +9,11 @@ A policy marks ops to recompute, but neither backend reruns all of them:
   ancestors; an op whose output neither backward nor a recomputed descendant reads is never rerun. A saved op
   whose storage a later in-place op of the module overwrote counts as missing, as it does at run time.
 
+SAC reruns an op only when the recompute needs its values (:func:`skipped_ops`): a matrix product whose output
+nothing backward unpacks reads, other than for its shape (dropout's ``empty_like`` on a CPU makes the noise of
+the MLP's last ``addmm`` that way), gets an empty tensor of its output's layout instead
+(:mod:`lightning_sac.apply.skip_dead`).
+
 Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops``, ``op_inputs``,
 ``mutated_later``). For a profile without them (an older version's), every op the policy recomputes counts.
 """
@@ -35,10 +40,38 @@ __all__ = [
     "recompute_costs",
     "recompute_ms",
     "recomputed_ops",
+    "SHAPE_ONLY_OPS",
+    "SKIPPABLE_OPS",
+    "skipped_ops",
 ]
 
 #: The ways a plan can be applied (see :func:`lightning_sac.apply_plan`).
 BACKENDS: tuple[str, ...] = ("sac", "graph")
+
+
+#: Ops whose outputs depend on their tensor arguments' sizes, strides, dtypes and devices, not their values.
+SHAPE_ONLY_OPS: frozenset[str] = frozenset(
+    f"aten.{name}.default"
+    for name in (
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+    )
+)
+
+#: Ops a SAC recompute may skip when nothing needs their values: pure, one dense output whose layout the meta
+#: kernel gives exactly, and costly enough for the skip to matter (matrix products).
+SKIPPABLE_OPS: frozenset[str] = frozenset(
+    {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"}
+)
 
 
 def check_backend(backend: str) -> None:
@@ -52,14 +85,47 @@ def _stop(stats: ModuleOpStats) -> int:
     return len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
 
 
-def recompute_costs(stats: ModuleOpStats) -> list[float]:
-    """What recomputing each op costs the ``"sac"`` backend, ms: its runtime, or 0 past the early stop.
+def skipped_ops(stats: ModuleOpStats, policy: Sequence[int] | None) -> list[int]:
+    """Indices of the ops a SAC recompute under ``policy`` skips: nothing it reruns needs their values.
 
-    The cost is additive over ops, so the trade-off curves and the op knapsack use it as is. It bounds the
-    graph backend's cost from above: everything graph recomputes precedes the last pack.
+    What a recompute must run: every op it reruns (not saved, before the early stop) whose output autograd
+    packed, that draws random numbers (the generator must advance as in the forward), writes in place or
+    writes state, and the rerun ops these read, transitively, except through an op that reads only its input's
+    layout (:data:`SHAPE_ONLY_OPS`). A saved op's inputs are not read: SAC serves its output from the cache.
+    Of the rest, :data:`SKIPPABLE_OPS` are skipped. With ``policy`` ``None`` every op counts as rerun. Empty
+    for a profile without the op graph.
     """
+    n = len(stats.func_names)
+    if stats.recompute_stop is None or len(stats.op_inputs) != n:
+        return []
+    stop = stats.recompute_stop
+    rerun = [i < stop and (policy is None or not policy[i]) for i in range(n)]
+    seeds = set(stats.packed_ops) | set(stats.rand_ops) | set(stats.stateful_ops)
+    seeds |= {i for i, _ in stats.inplace_ops}
+    needed: set[int] = set()
+    todo = [i for i in seeds if i < n and rerun[i]]
+    while todo:
+        i = todo.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        if stats.func_names[i] not in SHAPE_ONLY_OPS:
+            todo.extend(j for j in stats.op_inputs[i] if rerun[j] and j not in needed)
+    return [i for i in range(n) if rerun[i] and i not in needed and stats.func_names[i] in SKIPPABLE_OPS]
+
+
+def recompute_costs(stats: ModuleOpStats, backend: str = "sac") -> list[float]:
+    """What recomputing each op costs the ``"sac"`` backend, ms: its runtime, or 0 when it never reruns.
+
+    An op never reruns past the early stop, or on SAC when even a full recompute skips it (:func:`skipped_ops`).
+    The cost is additive over ops, so the trade-off curves and the op knapsack use it as is: an upper bound of
+    a policy's SAC cost (saving ops can only make more ops skippable). The graph backend reruns what backward
+    unpacks and all its ancestors, layout-only reads included: for it, the cost stays the op's runtime.
+    """
+    check_backend(backend)
     stop = _stop(stats)
-    return [t if i < stop else 0.0 for i, t in enumerate(stats.runtimes)]
+    skipped = set(skipped_ops(stats, None)) if backend == "sac" else set()
+    return [t if i < stop and i not in skipped else 0.0 for i, t in enumerate(stats.runtimes)]
 
 
 def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> list[int]:
@@ -73,7 +139,8 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
     if len(policy) != n:
         raise ValueError(f"The policy has {len(policy)} decisions for a module of {n} ops; it must have one per op.")
     if backend == "sac" or stats.recompute_stop is None:
-        return [i for i in range(_stop(stats)) if not policy[i]]
+        skipped = set(skipped_ops(stats, policy)) if backend == "sac" else set()
+        return [i for i in range(_stop(stats)) if not policy[i] and i not in skipped]
     # An op that writes in place to a tensor from outside the module, or writes state it does not return, is
     # always kept (running it twice would write twice), and a kept op later overwritten in place is missing again.
     kept = {i for i in range(n) if policy[i]} | {i for i, parent in stats.inplace_ops if parent == i}

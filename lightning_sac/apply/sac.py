@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from lightning_sac.apply.planned import CallState, PlannedForward
+from lightning_sac.apply.skip_dead import SkipDeadOps
 from lightning_sac.plan import ModuleDecision
 
 __all__ = ["SelectiveCheckpointForward", "runs_whole", "whole_checkpoints"]
@@ -75,6 +76,23 @@ def runs_whole(module: nn.Module, decision: ModuleDecision) -> bool:
     return not any(isinstance(m, _NormBase) and m.track_running_stats for m in module.modules())
 
 
+class _Beneath:
+    """Enter SAC's recompute mode over a mode made at entry: SAC serves saved ops, the other sees the rest."""
+
+    def __init__(self, sac_mode: Any, make: Callable[[], SkipDeadOps]) -> None:
+        self.sac_mode = sac_mode
+        self.make = make
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        # Entered at backward, after the forward decided every op: the skipper's order is known by then.
+        self.stack.enter_context(self.make())
+        self.stack.enter_context(self.sac_mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+
 class SelectiveCheckpointForward(PlannedForward):
     """A module's forward run under a non-reentrant checkpoint that saves exactly the ops the plan saves.
 
@@ -88,6 +106,8 @@ class SelectiveCheckpointForward(PlannedForward):
         self.whole = _WHOLE.get() and runs_whole(module, decision)
         # Per kind of call (see _call_kind): whether its observed call ran the profiled ops.
         self.kinds: dict[tuple[Any, ...], bool] = {}
+        self.skipped = list(decision.skipped_ops)
+        self.last_skipper: SkipDeadOps | None = None  # the last recompute's (tests read what it skipped)
 
     def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
         """Run the forward under ``torch.utils.checkpoint``: with the selective policy, or plainly."""
@@ -96,12 +116,32 @@ class SelectiveCheckpointForward(PlannedForward):
         kind = _call_kind(self.module, args, kwargs)
         if self.kinds.get(kind):
             state.unobserved = True
-            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+            if not self.skipped:
+                return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+            # The recompute alone runs under a dispatch mode, which sees every op of it: the one that skips.
+            order = range(len(self.names))
+            return checkpoint(
+                self.inner,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), self._skipper(order)),
+                **kwargs,
+            )
         out = self._selective(state, *args, **kwargs)
         if len(self.kinds) >= _MAX_KINDS:
             self.kinds.clear()
         self.kinds[kind] = state.mismatch is None and state.index == len(self.names)
         return out
+
+    def _skipper(self, order: Sequence[int]) -> SkipDeadOps:
+        self.last_skipper = SkipDeadOps(self.names, order, self.skipped)
+        return self.last_skipper
+
+    def _rerun_order(self, state: CallState) -> Sequence[int]:
+        """The profile indices of the ops SAC's recompute runs (passes down to a mode beneath it), in order."""
+        if state.mismatch is not None or state.index != len(self.names):
+            return ()  # the call left the plan: its decisions are not the plan's, so nothing is skipped
+        return [i for i, save in enumerate(self.save) if not save]
 
     def _selective(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
         def contexts() -> tuple[Any, Any]:
@@ -109,9 +149,12 @@ class SelectiveCheckpointForward(PlannedForward):
             # An in-place op shares its parent's decision, so a saved parent's cache entry is mutated by its
             # saved in-place ops (dropout's bernoulli_ on empty_like's output); on recompute both return the
             # cached, final value and nothing is applied twice.
-            return create_selective_checkpoint_contexts(
+            forward, recompute = create_selective_checkpoint_contexts(
                 lambda ctx, func, *a, **k: self.decide(state, func, a, k, ctx.op_output),
                 allow_cache_entry_mutation=True,
             )
+            if not self.skipped:
+                return forward, recompute
+            return forward, _Beneath(recompute, lambda: self._skipper(self._rerun_order(state)))
 
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)

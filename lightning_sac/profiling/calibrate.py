@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_sac.apply.recompute import BACKENDS, recompute_ms
+from lightning_sac.apply.recompute import BACKENDS, recompute_ms, skipped_ops
 from lightning_sac.profiling.data import ModuleProfile
 from lightning_sac.profiling.overhead import whole_module_plan
 from lightning_sac.profiling.runtime import real_tensor
@@ -182,7 +182,10 @@ def _measure(
     # "recompute": the most a policy can discard. A module with a BatchNorm inside (a ResNet block) must keep
     # that op's output, so a budget of 0 has no policy.
     policies = {"keep": [1] * n, "recompute": least_kept_policy(stats)}
-    plans = {which: whole_module_plan(stats.func_names, policy) for which, policy in policies.items()}
+    plans = {
+        which: whole_module_plan(stats.func_names, policy, skipped_ops(stats, policy))
+        for which, policy in policies.items()
+    }
     configs: list[tuple[str, str]] = [("plain", "")] + [(b, p) for b in BACKENDS for p in policies]
     # A policy that saves nothing runs a plain checkpoint (lightning_sac.apply.sac), timed on its own.
     whole = not any(policies["recompute"]) and runs_whole(module, plans["recompute"].decisions[""])

@@ -94,8 +94,11 @@ def measure_backend_overheads(n_ops: int = 64, repeats: int = 15) -> dict[str, B
     return dict(_measure(n_ops, repeats, torch.get_num_threads()))
 
 
-def whole_module_plan(op_names: list[str], policy: list[int]) -> Plan:
-    """A plan that wraps the root (``""``) of a module with ``policy``: to time a backend on one module."""
+def whole_module_plan(op_names: list[str], policy: list[int], skipped: list[int] | None = None) -> Plan:
+    """A plan that wraps the root (``""``) of a module with ``policy``: to time a backend on one module.
+
+    ``skipped`` are the ops the SAC backend's recompute skips (:func:`lightning_sac.recompute.skipped_ops`).
+    """
     from lightning_sac.plan import ModuleDecision, Plan  # the plan imports the profiler's data model
 
     decision = ModuleDecision(
@@ -104,6 +107,7 @@ def whole_module_plan(op_names: list[str], policy: list[int]) -> Plan:
         recompute_ms=0.0,
         freed_bytes=0,
         op_names=list(op_names),
+        skipped_ops=list(skipped or []),
     )
     return Plan(decisions={"": decision}, budget_bytes=0)
 

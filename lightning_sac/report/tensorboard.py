@@ -85,7 +85,8 @@ def log_plan(
             if stats is None:
                 continue
             decision = plan.decisions.get(fqn)
-            fig = f.tradeoff_figure(fqn, module_tradeoff(stats), decision.discard_ratio if decision else None)
+            tradeoff = module_tradeoff(stats, backend=plan.backend)
+            fig = f.tradeoff_figure(fqn, tradeoff, decision.discard_ratio if decision else None)
             writer.add_figure(f"{TAG}/tradeoff/{fqn or '<root>'}", fig, step)
         writer.add_figure(f"{TAG}/memory_per_module", f.module_memory_figure(profile, plan, top), step)
         writer.add_figure(f"{TAG}/memory_across_step", f.step_memory_figure(profile, plan), step)

@@ -118,7 +118,7 @@ def find_candidates(
             continue
         post, pre = m.memory["post_forward"], m.memory["pre_forward"]
         retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
-        tradeoff = module_tradeoff(m.op_stats, n_segments)
+        tradeoff = module_tradeoff(m.op_stats, n_segments, backend)
         if tradeoff.total_memory == 0 or retained == 0:
             continue  # nothing to free
         bound = recompute_transient(m.op_stats, None, backend)

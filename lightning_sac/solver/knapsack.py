@@ -34,7 +34,7 @@ def _min_budget(stats: ModuleOpStats) -> float:
     return 0.0 if total == 0 else sum(u.memory for u in stored) / total
 
 
-def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
+def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:
     """Save the ops that maximize saved runtime while their memory stays within ``memory_budget``.
 
     A 0/1 knapsack solved exactly with HiGHS. View-like ops are recomputed; each in-place op takes its parent's
@@ -46,6 +46,7 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
     Args:
         stats: The module's op statistics.
         memory_budget: Fraction of the module's op memory that may stay saved, in ``[0, 1]``.
+        backend: The backend whose recompute costs are weighed (:func:`~lightning_sac.recompute.recompute_costs`).
 
     Returns:
         One decision per op: 1 = save, 0 = recompute.
@@ -55,7 +56,7 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
     """
     _check_budget(memory_budget)
     memory = effective_memory(stats)
-    costs = recompute_costs(stats)
+    costs = recompute_costs(stats, backend)
     # Everything the knapsack below reads; HiGHS runs single-threaded with a fixed seed, so an equal key gives
     # an equal model and answer.
     key = (
@@ -111,23 +112,23 @@ def _solve_knapsack(stats: ModuleOpStats, memory_budget: float, memory: list[int
     return [round(v) for v in h.vals(x)]
 
 
-def least_kept_policy(stats: ModuleOpStats) -> list[int]:
+def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
     """The policy that keeps the least of the module's op memory: everything recomputed but what must be saved.
 
     What must be saved (stateful ops such as BatchNorm's, in-place writes to tensors from outside the module,
     forced random ops; see :func:`~lightning_sac.tradeoff.recompute_units`) may hold memory, so a budget of 0
     can be infeasible; this one never is.
     """
-    return optimal_op_policy(stats, _min_budget(stats))
+    return optimal_op_policy(stats, _min_budget(stats), backend)
 
 
-def greedy_op_policy(stats: ModuleOpStats, memory_budget: float) -> list[int]:
+def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:
     """Recompute units in the greedy MSPS order until at most ``memory_budget`` of the op memory stays saved.
 
     Same constraints and return value as :func:`optimal_op_policy`; no solver, so never better than it.
     """
     _check_budget(memory_budget)
-    tradeoff = module_tradeoff(stats)
+    tradeoff = module_tradeoff(stats, backend=backend)
     policy = [SAVE] * len(stats.func_names)
     for i in stats.view_like_ops:
         policy[i] = RECOMPUTE

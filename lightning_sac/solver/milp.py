@@ -15,6 +15,7 @@ from lightning_sac.apply.recompute import (
     recompute_ms,
     recompute_transient,
     rerun_output_bytes,
+    skipped_ops,
     whole_overhead_ms,
 )
 from lightning_sac.device_reserve import device_reserve
@@ -62,7 +63,7 @@ def _whole_costs(
         if c.tradeoff.stored:  # it must save something: never a plain checkpoint
             continue
         stats = op_stats(profile, c.fqn)
-        policy = optimal_op_policy(stats, 0.0)
+        policy = optimal_op_policy(stats, 0.0, backend)
         overhead = whole_overhead_ms(stats, policy, backend, measured[c.fqn])
         if overhead is not None:
             costs[c.fqn] = recompute_ms(stats, policy, backend) + overhead
@@ -142,7 +143,7 @@ def _decisions(
         keep = max(0.0, min(1.0, 1.0 - discard))
         if not c.tradeoff.stored and discard >= c.tradeoff.max_discard - 1e-9:
             keep = 0.0  # the largest discard of a module that must save nothing: rounding must not save an op
-        policy = optimal_op_policy(stats, keep)
+        policy = optimal_op_policy(stats, keep, backend)
         saved = sum(m for m, keep in zip(effective_memory(stats), policy, strict=True) if keep)
         if c.retained - saved <= 0:
             continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
@@ -153,6 +154,7 @@ def _decisions(
             overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[c.fqn]),
             freed_bytes=c.retained - saved,
             op_names=list(stats.func_names),
+            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
         )
     return decisions
 

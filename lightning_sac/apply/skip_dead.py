@@ -1,0 +1,85 @@
+"""Skipping, in a SAC recompute, the ops whose values nothing needs (:func:`~lightning_sac.recompute.skipped_ops`).
+
+``torch.utils.checkpoint`` reruns a module's forward in order up to its early stop, every op of it, even one
+whose output only gives another op its shape: on a CPU, ``F.dropout`` draws its noise into
+``empty_like(x)``, so the recompute of a GPT MLP reruns its last matrix product (a quarter of the block's
+matmul work) for nothing but the noise's size. :class:`SkipDeadOps` is a dispatch mode entered for the
+recompute only, beneath SAC's own when there is one: it sees the ops the recompute really runs, in order, and
+answers each op the plan names as skipped with a new tensor of the layout the op's meta kernel gives, filled
+with NaN so that a wrongly skipped op could not pass unnoticed. The allocation is the same as the op's own, so
+the memory model is unchanged.
+
+The mode counts ops as the profiler did and checks each one's name against the profile; from the first op
+that differs (another code path) it skips nothing more in that recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map_only
+
+from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
+from lightning_sac.profiling.ops import is_sac_ignored, op_name
+
+__all__ = ["SkipDeadOps", "placeholder"]
+
+
+def placeholder(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A NaN-filled tensor with the layout ``func``'s output would have, or ``None`` when it has no single one.
+
+    The layout comes from the op's meta kernel run on meta copies of the arguments: no data is read. Only the
+    layout's allocation reaches the modes beneath (a FLOP counter sees no matrix product).
+    """
+    tensors: list[torch.Tensor] = []
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        tensors.append(t)
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    meta_args, meta_kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+    with _disable_current_modes():  # the layout only: modes beneath (a FLOP counter) must not see an op run
+        out = func(*meta_args, **meta_kwargs)
+    if not isinstance(out, torch.Tensor) or not tensors:
+        return None
+    made = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=tensors[0].device)
+    return made.fill_(float("nan")) if made.is_floating_point() else made.zero_()
+
+
+class SkipDeadOps(TorchDispatchMode):
+    """Answer the recompute's skipped ops with a placeholder instead of running them.
+
+    Args:
+        names: The profiled op names of the module, by index.
+        order: The profile index of each op this mode will see, in order (under SAC, the ops the forward's
+            policy recomputed; under a plain checkpoint, all of them).
+        skipped: Profile indices of the ops to skip.
+    """
+
+    def __init__(self, names: Sequence[str], order: Sequence[int], skipped: Sequence[int]) -> None:
+        super().__init__()
+        self.names = names
+        self.order = order
+        self.skipped = frozenset(skipped)
+        self.seen = 0
+        self.diverged = False
+        self.skips = 0  # ops skipped in this recompute (tests read it)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.diverged or is_sac_ignored(func) or in_fsdp_hook():
+            return func(*args, **kwargs)
+        k = self.seen
+        self.seen += 1
+        if k >= len(self.order) or op_name(func) != self.names[self.order[k]]:
+            self.diverged = True  # another code path: from here on every op runs
+            return func(*args, **kwargs)
+        if self.order[k] in self.skipped:
+            out = placeholder(func, args, kwargs)
+            if out is not None:
+                self.skips += 1
+                return out
+        return func(*args, **kwargs)

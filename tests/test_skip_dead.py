@@ -1,0 +1,159 @@
+"""A SAC recompute skips the matrix products whose values nothing needs (:mod:`lightning_sac.apply.skip_dead`).
+
+On a CPU, dropout draws its noise into ``empty_like(x)``: a GPT MLP's last matrix product is rerun by a plain
+``torch.utils.checkpoint`` only for the noise's shape. Checked on Hugging Face GPT-2 with FLOPs counted by
+torch's ``FlopCounterMode`` (exact, analytic), gradients and losses bit-equal to the plain model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import adamw
+from torch.utils.flop_counter import FlopCounterMode
+from zoo import gpt2
+
+from lightning_sac import profile_model, solve_plan
+from lightning_sac.apply import apply_plan
+from lightning_sac.apply.skip_dead import SkipDeadOps
+from lightning_sac.plan import ModuleDecision, Plan
+from lightning_sac.profiling.step import default_loss
+from lightning_sac.recompute import recompute_costs, recompute_ms, recomputed_ops, skipped_ops
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def family_and_profile():  # noqa: ANN201
+    family = gpt2()  # dropout 0.1 in every block: F.dropout's empty_like + bernoulli_ on a CPU
+    family.model.config.use_cache = False
+    profile = profile_model(family.model, family.batch, optimizer_factory=adamw, device="cpu")
+    return family, profile
+
+
+def _blocks(profile):  # noqa: ANN001, ANN202
+    return [f for f in profile.modules if f.count(".") == 2 and f.startswith("transformer.h.")]
+
+
+def _whole_plan(profile, skip: bool) -> Plan:  # noqa: ANN001
+    decisions = {}
+    for f in _blocks(profile):
+        stats = profile.modules[f].op_stats
+        policy = [0] * len(stats.func_names)
+        decisions[f] = ModuleDecision(
+            discard_ratio=1.0,
+            op_policy=policy,
+            recompute_ms=0.0,
+            freed_bytes=0,
+            op_names=list(stats.func_names),
+            skipped_ops=skipped_ops(stats, policy) if skip else [],
+        )
+    return Plan(decisions=decisions, budget_bytes=0)
+
+
+def _step(model, batch) -> tuple[torch.Tensor, int]:  # noqa: ANN001
+    """One forward and backward; the loss and the backward's FLOPs."""
+    torch.manual_seed(3)  # the same dropout noise in every model
+    loss = default_loss(model(**batch))
+    with FlopCounterMode(display=False) as flops:
+        loss.backward()
+    return loss.detach(), flops.get_total_flops()
+
+
+def test_a_full_recompute_of_a_gpt2_block_skips_the_mlp_projection_only_dropout_reads_the_shape_of(
+    family_and_profile,
+):
+    family, profile = family_and_profile
+    blocks = _blocks(profile)
+    for f in blocks:
+        stats = profile.modules[f].op_stats
+        skipped = skipped_ops(stats, None)
+        # One op per block: the MLP's c_proj (Conv1D: addmm). The attention's c_proj feeds the residual stream,
+        # which ln_2 saves: needed.
+        assert [stats.func_names[i] for i in skipped] == ["aten.addmm.default"]
+        assert recompute_costs(stats)[skipped[0]] == 0.0
+        assert recompute_costs(stats, "graph")[skipped[0]] == stats.runtimes[skipped[0]]
+        policy = [0] * len(stats.func_names)
+        assert skipped[0] not in recomputed_ops(stats, policy, "sac")
+        assert recompute_ms(stats, policy, "sac") == pytest.approx(
+            recompute_ms(stats, policy, "graph") - stats.runtimes[skipped[0]]
+        )
+    plain = copy.deepcopy(family.model)
+    with_skip, without = copy.deepcopy(family.model), copy.deepcopy(family.model)
+    handles = [apply_plan(with_skip, _whole_plan(profile, True)), apply_plan(without, _whole_plan(profile, False))]
+    batch, config = family.batch, family.model.config
+    tokens = batch["input_ids"].numel()
+    # What c_proj's forward costs: (tokens x 4d) @ (4d x d), 2 FLOPs a multiply-add, per block.
+    projection = 2 * tokens * (4 * config.n_embd) * config.n_embd
+    for call in range(2):  # the first call of its kind runs under the policy, the second plainly
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss, plain_flops = _step(plain, batch)
+            loss_skip, flops_skip = _step(with_skip, batch)
+            loss_without, flops_without = _step(without, batch)
+        assert torch.equal(loss_skip, loss) and torch.equal(loss_without, loss)
+        assert flops_without - flops_skip == len(blocks) * projection, call
+        assert flops_skip > plain_flops  # everything else is still recomputed
+        for p, q in zip(plain.parameters(), with_skip.parameters(), strict=True):
+            assert torch.equal(q.grad, p.grad)
+            p.grad = q.grad = None
+        for m in (without,):
+            m.zero_grad(set_to_none=True)
+        assert all(w.last_skipper.skips == 1 for w in handles[0].wrappers.values())
+        assert all(w.last_skipper is None for w in handles[1].wrappers.values())
+        assert all(w.whole and w.mismatched_calls == 0 for w in handles[0].wrappers.values())
+
+
+def test_selective_plans_skip_what_they_name_and_train_as_the_plain_model(family_and_profile):
+    family, profile = family_and_profile
+    plan = solve_plan(profile, 0.8 * profile.peak_bytes / GIB)
+    selective = [f for f, d in plan.decisions.items() if any(d.op_policy) and d.skipped_ops]
+    assert selective  # the plan has a selective module whose recompute skips something
+    plain, planned = copy.deepcopy(family.model), copy.deepcopy(family.model)
+    handle = apply_plan(planned, plan)
+    for _ in range(2):
+        loss, _ = _step(plain, family.batch)
+        planned_loss, _ = _step(planned, family.batch)
+        assert torch.equal(planned_loss, loss)
+        for p, q in zip(plain.parameters(), planned.parameters(), strict=True):
+            assert torch.equal(q.grad, p.grad)
+            p.grad = q.grad = None
+    for f, d in plan.decisions.items():
+        wrapper = handle.wrappers[f]
+        assert wrapper.mismatched_calls == 0
+        if d.skipped_ops:
+            assert wrapper.last_skipper.skips == len(d.skipped_ops), f
+
+
+def test_a_skipped_op_gives_nan_so_a_wrong_skip_cannot_pass_and_another_code_path_skips_nothing():
+    a, b, bias = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
+    names = ["aten.addmm.default", "aten.mm.default"]
+    with SkipDeadOps(names, [0, 1], [0, 1]) as mode:
+        skipped = torch.addmm(bias, a, b)
+        also = a @ b
+    assert skipped.shape == (3, 5) and skipped.stride() == (5, 1) and bool(skipped.isnan().all())
+    assert bool(also.isnan().all()) and mode.skips == 2
+    # The profile said mm first: the call diverged at its first op, so nothing is skipped from there on.
+    with SkipDeadOps(list(reversed(names)), [0, 1], [0, 1]) as mode:
+        ran = torch.addmm(bias, a, b)
+        also = a @ b
+    assert torch.equal(ran, torch.addmm(bias, a, b)) and torch.equal(also, a @ b)
+    assert mode.diverged and mode.skips == 0
+
+
+def test_a_plan_saved_before_skipping_existed_loads_and_skips_nothing(family_and_profile):
+    family, profile = family_and_profile
+    saved = json.loads(_whole_plan(profile, True).to_json())
+    for d in saved["decisions"].values():
+        del d["skipped_ops"]
+    plan = Plan.from_json(json.dumps(saved))
+    assert all(d.skipped_ops == [] for d in plan.decisions.values())
+    model = copy.deepcopy(family.model)
+    handle = apply_plan(model, plan)
+    for _ in range(2):
+        _step(model, family.batch)
+    assert all(w.last_skipper is None for w in handle.wrappers.values())

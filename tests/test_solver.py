@@ -280,3 +280,15 @@ def test_plan_json_round_trip_and_table(gpt_profile):
     assert plan.fingerprint == solve_plan(gpt_profile, 1.0).fingerprint
     assert len(plan.fingerprint) == 16
     torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.66, 0.6])
+def test_refining_keeps_the_better_of_two_fits_and_its_own_figures_fit_the_budget(gpt_profile, fraction):
+    budget = gpt_profile.peak_bytes * fraction / GIB
+    coarse = solve_plan(gpt_profile, budget, refine=False)
+    finer = solve_plan(gpt_profile, budget, n_segments=3, refine=False)
+    plan = solve_plan(gpt_profile, budget)
+    best = min((coarse, finer), key=lambda p: p.predicted_step_ms)  # the first on a tie, as solve_plan keeps
+    assert plan.decisions == best.decisions and plan.predicted_step_ms == best.predicted_step_ms
+    assert plan.predicted_step_ms <= coarse.predicted_step_ms
+    assert plan.predicted_peak_bytes == recheck_peak(gpt_profile, plan) <= plan.budget_bytes

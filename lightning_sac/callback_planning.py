@@ -134,4 +134,6 @@ class PlanningMixin:
             # of partial discards measured 18% over its prediction where the one-fit plan kept its budget
             # (tests/test_loop_compile.py): compiled fits keep the one-fit plan.
             refine=not compiled_parts(pl_module),
+            # A traced region cannot copy masks back in its recompute: compiled fits redraw their dropout noise.
+            masks=not compiled_parts(pl_module),
         )

@@ -38,6 +38,9 @@ class ModuleDecision:
             policy applied at run time can tell when the module runs other ops than the profiled ones.
         skipped_ops: Indices of recomputed ops the SAC backend's recompute skips because nothing needs their
             values (:func:`lightning_sac.recompute.skipped_ops`); not counted in ``recompute_ms``.
+        masked_ops: Indices of random ops (dropout's ``bernoulli_``) whose result the SAC backend keeps as a
+            ``bool`` mask and copies back in recompute instead of drawing again (:mod:`lightning_sac.solver.masks`);
+            ``op_policy`` recomputes them. Empty in an older plan: nothing is masked.
     """
 
     discard_ratio: float
@@ -47,6 +50,7 @@ class ModuleDecision:
     op_names: list[str] = field(default_factory=list)
     overhead_ms: float = 0.0
     skipped_ops: list[int] = field(default_factory=list)
+    masked_ops: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

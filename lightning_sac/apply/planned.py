@@ -62,6 +62,7 @@ class CallState:
         saved: Storages of the outputs of the ops saved so far (known when the backend passes outputs).
         made: Storages of the outputs of every op so far (likewise).
         unobserved: Whether the call ran without a policy asked about its ops (a plain checkpoint).
+        masks: The ``bool`` masks of the call's masked draws, in order, until its recompute copies them back.
     """
 
     def __init__(self) -> None:
@@ -71,6 +72,18 @@ class CallState:
         self.random_saved: bool | None = None
         self.saved = _Storages()
         self.made = _Storages()
+        self.masks: list[torch.Tensor] = []
+
+    def planned_masks(self, n_ops: int) -> list[torch.Tensor] | None:
+        """The masks for the recompute, or ``None`` when the call left the plan (its draws are then redrawn).
+
+        Redrawing is exact then: every draw before the first difference was masked, so the recompute replays the
+        generator through the same draws in the same order, and every draw after it was saved (:meth:`fallback`).
+        """
+        if self.mismatch is not None or self.index != n_ops:
+            self.masks.clear()
+            return None
+        return self.masks
 
 
 class PlannedForward:
@@ -103,6 +116,7 @@ class PlannedForward:
         self.module = module
         self.names = list(decision.op_names)
         self.save = [bool(x) for x in decision.op_policy]
+        self.masked = frozenset(decision.masked_ops)
         # The class's forward, bound to the module: an instance attribute "forward" would recurse.
         self.inner: Callable[..., Any] = type(module).forward.__get__(module)
         self.notices = notices or Notices()
@@ -137,8 +151,12 @@ class PlannedForward:
         kwargs = kwargs or {}
         if state.mismatch is None:
             save = self.save[i]
+            if i in self.masked and isinstance(output, torch.Tensor):
+                # Kept as a mask, recomputed by SAC: the recompute copies it back (apply.skip_dead).
+                state.masks.append(output.to(torch.bool))
             if state.random_saved is None and is_random(func, args, kwargs):
-                state.random_saved = save
+                # A masked draw is not drawn again either: later draws must not be redrawn (fallback).
+                state.random_saved = save or i in self.masked
         else:
             save = self.fallback(state, func, args, kwargs, output)
         if output is not None:
@@ -224,6 +242,8 @@ class PlannedForward:
         if call.unplanned:
             _said_unplanned(self, call)
             return self.inner(*args, **kwargs)
+        if self.masked:
+            _said_redrawn(self)
         return checkpoint(self.inner, *call.args, use_reentrant=False, context_fn=self.traced_contexts, **call.kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -260,3 +280,14 @@ def _said_unplanned(forward: PlannedForward, call: CacheCall) -> None:
             "writes; recomputing it would write that cache twice, so such calls run without the plan (their memory "
             "is not saved). Pass use_cache=False to run them planned. (Warned once.)",
         )
+
+
+@torch.compiler.disable
+def _said_redrawn(forward: PlannedForward) -> None:
+    forward.notices.warn(
+        f"masks:{forward.fqn}",
+        f"lightning-sac: module {forward.fqn!r} runs under torch.compile, whose traced recompute cannot copy the "
+        "plan's dropout masks back: its dropout noise is drawn again in recompute instead (exact, and less memory "
+        "than planned, but more recompute). Plan with solve_plan(..., masks=False) for a compiled model; AutoSAC "
+        "does. (Warned once.)",
+    )

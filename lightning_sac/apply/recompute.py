@@ -195,7 +195,9 @@ def rerun_output_bytes(stats: ModuleOpStats, policy: Sequence[int] | None, backe
     return stats.memory[i]
 
 
-def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac") -> int | None:
+def recompute_transient(
+    stats: ModuleOpStats, policy: Sequence[int] | None, backend: str = "sac", masked: Sequence[int] = ()
+) -> int | None:
     """How far a recompute of the module rises above the activations the plain step keeps, bytes, or ``None``.
 
     The memory model counts the module's plain activations at its backward's start; a recompute replaces those
@@ -207,7 +209,8 @@ def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, back
     when a recompute never rebuilds everything at once. With ``policy`` ``None`` every op counts as rerun.
     Counted for SAC (which reruns everything up to its early stop), an upper bound for the graph backend (which
     reruns only what backward unpacks and frees each node's cache at its last consumer). ``None`` for a profile
-    without op lifetimes.
+    without op lifetimes. The ``bool`` masks of ``masked`` ops (:attr:`ModuleDecision.masked_ops`) are held from
+    the rerun's start until their op has copied them back.
     """
     n = len(stats.func_names)
     if len(stats.freed_at) != n:
@@ -217,7 +220,9 @@ def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, back
     saved_temps = sum(
         m for i, m in enumerate(stats.memory) if policy is not None and policy[i] and stats.freed_at[i] >= 0
     )
-    events: list[tuple[int, int]] = []
+    masks = dict(zip(stats.mask_ops, stats.mask_bytes, strict=False))
+    saved_temps += sum(masks[i] for i in masked)
+    events: list[tuple[int, int]] = [(i + 1, -masks[i]) for i in masked]  # freed once the op has copied it back
     missing = 0  # discarded activations not rebuilt yet
     for i in range(stop):
         m = stats.memory[i]
@@ -235,9 +240,16 @@ def recompute_transient(stats: ModuleOpStats, policy: Sequence[int] | None, back
     return peak + rerun_output_bytes(stats, policy, backend)
 
 
-def recompute_ms(stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac") -> float:
-    """Runtime of :func:`recomputed_ops`, ms: what the policy adds to one backward on ``backend``."""
-    return sum(stats.runtimes[i] for i in recomputed_ops(stats, policy, backend))
+def recompute_ms(
+    stats: ModuleOpStats, policy: Sequence[int], backend: str = "sac", masked: Sequence[int] = ()
+) -> float:
+    """Runtime of :func:`recomputed_ops`, ms: what the policy adds to one backward on ``backend``.
+
+    A ``masked`` op (its noise copied back from a ``bool`` mask, :attr:`ModuleDecision.masked_ops`) costs the copy.
+    """
+    copies = dict(zip(stats.mask_ops, stats.mask_ms, strict=False))
+    copies = {i: copies[i] for i in masked}
+    return sum(copies.get(i, stats.runtimes[i]) for i in recomputed_ops(stats, policy, backend))
 
 
 def fixed_overhead_ms(
@@ -259,7 +271,11 @@ def fixed_overhead_ms(
 
 
 def whole_overhead_ms(
-    stats: ModuleOpStats, policy: Sequence[int], backend: str, measured: Sequence[float] | None = None
+    stats: ModuleOpStats,
+    policy: Sequence[int],
+    backend: str,
+    measured: Sequence[float] | None = None,
+    masked: Sequence[int] = (),
 ) -> float | None:
     """The host time of a policy that saves nothing run as a plain checkpoint, besides its recompute, ms.
 
@@ -267,9 +283,9 @@ def whole_overhead_ms(
     (:mod:`lightning_sac.apply.sac`). Measured, it is the module's ``whole_ms`` (the third entry of
     :attr:`ModuleProfile.measured_overhead`, recompute included) less the predicted recompute: negative when
     the real rerun is faster than the profile's op times. Unmeasured, none: a plain checkpoint adds no work per
-    op. ``None`` when ``policy`` saves something or the backend is not SAC.
+    op. ``None`` when ``policy`` saves or masks something or the backend is not SAC.
     """
-    if backend != "sac" or any(policy):
+    if backend != "sac" or any(policy) or masked:
         return None
     if measured and len(measured) > 2:
         return measured[2] - recompute_ms(stats, policy, backend)
@@ -282,6 +298,7 @@ def overhead_ms(
     backend: str,
     per_op_us: Sequence[float],
     measured: Sequence[float] | None = None,
+    masked: Sequence[int] = (),
 ) -> float:
     """The backend's host time for the module under ``policy``, besides :func:`recompute_ms`, ms.
 
@@ -290,12 +307,12 @@ def overhead_ms(
     module's real rerun took beyond the profile's op times: ``(recompute_factor - 1) * recompute_ms``.
     Otherwise :func:`fixed_overhead_ms`, and for the graph backend ``rerun_us`` per recomputed op.
     """
-    whole = whole_overhead_ms(stats, policy, backend, measured)
+    whole = whole_overhead_ms(stats, policy, backend, measured, masked)
     if whole is not None:
         return whole
     fixed = fixed_overhead_ms(stats, backend, per_op_us, measured)
     if measured:
-        return fixed + (measured[1] - 1.0) * recompute_ms(stats, policy, backend)
+        return fixed + (measured[1] - 1.0) * recompute_ms(stats, policy, backend, masked)
     if backend == "sac":
         return fixed
     return fixed + len(recomputed_ops(stats, policy, backend)) * per_op_us[1] / 1e3

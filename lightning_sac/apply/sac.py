@@ -68,10 +68,11 @@ def whole_checkpoints(enabled: bool) -> Iterator[None]:
 def runs_whole(module: nn.Module, decision: ModuleDecision) -> bool:
     """Whether ``module`` under ``decision`` can run a plain checkpoint: its policy saves nothing.
 
-    Not for a module holding running statistics (BatchNorm and its kind): a plain checkpoint would update them
+    Not for a module whose plan keeps dropout noise as masks, which only a policy can record. Not for a module
+    holding running statistics (BatchNorm and its kind): a plain checkpoint would update them
     a second time in recompute, whatever code path the call takes, where a selective policy saves that op.
     """
-    if any(decision.op_policy):
+    if any(decision.op_policy) or decision.masked_ops:
         return False
     return not any(isinstance(m, _NormBase) and m.track_running_stats for m in module.modules())
 
@@ -133,8 +134,8 @@ class SelectiveCheckpointForward(PlannedForward):
         self.kinds[kind] = state.mismatch is None and state.index == len(self.names)
         return out
 
-    def _skipper(self, order: Sequence[int]) -> SkipDeadOps:
-        self.last_skipper = SkipDeadOps(self.names, order, self.skipped)
+    def _skipper(self, order: Sequence[int], masks: list[torch.Tensor] | None = None) -> SkipDeadOps:
+        self.last_skipper = SkipDeadOps(self.names, order, self.skipped, masks, self.fqn)
         return self.last_skipper
 
     def _rerun_order(self, state: CallState) -> Sequence[int]:
@@ -153,8 +154,13 @@ class SelectiveCheckpointForward(PlannedForward):
                 lambda ctx, func, *a, **k: self.decide(state, func, a, k, ctx.op_output),
                 allow_cache_entry_mutation=True,
             )
-            if not self.skipped:
+            if not self.skipped and not self.masked:
                 return forward, recompute
-            return forward, _Beneath(recompute, lambda: self._skipper(self._rerun_order(state)))
+
+            def skipper() -> SkipDeadOps:
+                masks = state.planned_masks(len(self.names)) if self.masked else None
+                return self._skipper(self._rerun_order(state), masks)
+
+            return forward, _Beneath(recompute, skipper)
 
         return checkpoint(self.inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)

@@ -11,6 +11,11 @@ the memory model is unchanged.
 
 The mode counts ops as the profiler did and checks each one's name against the profile; from the first op
 that differs (another code path) it skips nothing more in that recompute.
+
+It also puts back the dropout noise a plan keeps as ``bool`` masks (:mod:`lightning_sac.solver.masks`): each
+draw the recompute reruns gets the next mask, copied into the tensor it would have filled, in place of drawing.
+The forward masked all of the module's draws, so the recompute draws nothing; a draw that finds no mask of its
+shape would get other numbers than the forward's, and raises.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 
 from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
-from lightning_sac.profiling.ops import is_sac_ignored, op_name
+from lightning_sac.profiling.noise import MASKABLE_OPS
+from lightning_sac.profiling.ops import is_random, is_sac_ignored, op_name
 
 __all__ = ["SkipDeadOps", "placeholder"]
 
@@ -57,10 +63,22 @@ class SkipDeadOps(TorchDispatchMode):
         order: The profile index of each op this mode will see, in order (under SAC, the ops the forward's
             policy recomputed; under a plain checkpoint, all of them).
         skipped: Profile indices of the ops to skip.
+        masks: The forward's masks of its draws, in order (consumed), or ``None`` when nothing was masked.
+        where: The module, for messages.
     """
 
-    def __init__(self, names: Sequence[str], order: Sequence[int], skipped: Sequence[int]) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        order: Sequence[int],
+        skipped: Sequence[int],
+        masks: list[torch.Tensor] | None = None,
+        where: str = "",
+    ) -> None:
         super().__init__()
+        self.masks = masks
+        self.where = where
+        self.copied = 0  # masks copied back in this recompute (tests read it)
         self.names = names
         self.order = order
         self.skipped = frozenset(skipped)
@@ -70,12 +88,13 @@ class SkipDeadOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.masks is not None and not in_fsdp_hook() and is_random(func, args, kwargs):
+            self._count(func)
+            return self._copy_back(func, args)
         if self.diverged or is_sac_ignored(func) or in_fsdp_hook():
             return func(*args, **kwargs)
-        k = self.seen
-        self.seen += 1
-        if k >= len(self.order) or op_name(func) != self.names[self.order[k]]:
-            self.diverged = True  # another code path: from here on every op runs
+        k = self._count(func)
+        if self.diverged:
             return func(*args, **kwargs)
         if self.order[k] in self.skipped:
             out = placeholder(func, args, kwargs)
@@ -83,3 +102,28 @@ class SkipDeadOps(TorchDispatchMode):
                 self.skips += 1
                 return out
         return func(*args, **kwargs)
+
+    def _count(self, func: Any) -> int:
+        """Count an op of the recompute; its position, after checking its name against the profile's."""
+        k = self.seen
+        self.seen += 1
+        if not self.diverged and (k >= len(self.order) or op_name(func) != self.names[self.order[k]]):
+            self.diverged = True  # another code path: from here on nothing is skipped
+        return k
+
+    def _copy_back(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """The forward's noise for a draw: the next mask copied into the tensor the draw fills."""
+        assert self.masks is not None
+        noise = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func not in MASKABLE_OPS or noise is None or not self.masks or self.masks[0].shape != noise.shape:
+            got = f"{func} on shape {tuple(noise.shape) if noise is not None else '?'}"
+            expected = f"a mask of shape {tuple(self.masks[0].shape)}" if self.masks else "no draw (all masks used)"
+            raise RuntimeError(
+                f"lightning-sac: the recompute of module {self.where!r} drew random numbers its forward had kept as "
+                f"masks, in another order (got {got}, expected {expected}); redrawing would give other numbers than "
+                "the forward's, so the gradients would be wrong. The module's code path differs between forward and "
+                "recompute (global state read in forward?). Re-plan with solve_plan(..., masks=False) to redraw "
+                "instead."
+            )
+        self.copied += 1
+        return noise.copy_(self.masks.pop(0))

@@ -101,6 +101,11 @@ class ModuleOpStats:
         output_saved_inside: Whether autograd saved the module's output for a backward of the module's own ops
             (a ReLU saves its result): then a checkpoint's cache keeping it costs nothing (see
             :func:`lightning_sac.tradeoff.effective_memory`).
+        mask_ops: Indices of random ops that fill a floating tensor with 0 and 1 in place (``bernoulli_``, the
+            noise of dropout on a CPU): their result can be kept as a ``bool`` mask and copied back in recompute
+            (:mod:`lightning_sac.solver.masks`).
+        mask_bytes: Per mask op, the bytes its mask allocates on the target.
+        mask_ms: Per mask op, what copying its mask back costs on the target, ms.
     """
 
     func_names: list[str] = field(default_factory=list)
@@ -120,6 +125,9 @@ class ModuleOpStats:
     freed_at: list[int] = field(default_factory=list)
     output_ops: list[int] = field(default_factory=list)
     output_saved_inside: bool = False
+    mask_ops: list[int] = field(default_factory=list)
+    mask_bytes: list[int] = field(default_factory=list)
+    mask_ms: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:

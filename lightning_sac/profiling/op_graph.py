@@ -33,6 +33,7 @@ class OpRecord:
     inputs: tuple[int, ...]  # the ops whose output tensors this op reads
     storage_roots: tuple[int, ...]  # per output, the op that created its storage; -1: from outside
     stateful: bool = False  # writes a tensor that is not among its outputs (BatchNorm's running statistics)
+    mask: tuple[int, float] | None = None  # random noise of 0 and 1: (bytes, ms) of its bool mask (profiling.noise)
 
 
 class OpGraph:
@@ -105,6 +106,10 @@ class OpGraph:
                 stats.rand_ops.append(i)
             if op.stateful:
                 stats.stateful_ops.append(i)
+            if op.mask is not None:
+                stats.mask_ops.append(i)
+                stats.mask_bytes.append(op.mask[0])
+                stats.mask_ms.append(op.mask[1])
             if op.outputs and all(k in saved for k in op.outputs):
                 stats.saved_autograd_ops.append(i)
             if op.inplace_parent is not None:

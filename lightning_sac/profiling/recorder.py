@@ -27,6 +27,7 @@ from lightning_sac.profiling.cuda_allocator import AllocatorConfig, CachingAlloc
 from lightning_sac.profiling.data import TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
 from lightning_sac.profiling.module_hooks import ModuleHooks
+from lightning_sac.profiling.noise import noise_mask
 from lightning_sac.profiling.op_graph import OpGraph, OpRecord
 from lightning_sac.profiling.ops import (
     flat_tensors,
@@ -259,17 +260,19 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             parent = None
             if inplace:
                 parent = self._producer.get(id(written[0].untyped_storage()), -1) if written else -1
+            rand = is_random(func, args, kwargs)
             record = OpRecord(
                 name=op_name(func),
                 ms=ms,
                 new_bytes=new_bytes,
                 view_like=view_like,
-                rand=is_random(func, args, kwargs),
+                rand=rand,
                 inplace_parent=parent,
                 stateful=any(id(t.untyped_storage()) not in output_storages for t in written),
                 outputs=tuple(keys),
                 inputs=self.graph.makers(inputs),
                 storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),
+                mask=noise_mask(func, args, self.estimator, self.spec.round_bytes) if rand else None,
             )
             self.graph.append(record, outputs)
         return out

@@ -11,6 +11,7 @@ import numpy as np
 
 from lightning_sac.apply.recompute import output_indices, recompute_transient, rerun_output_bytes
 from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.solver.masks import masked_view
 from lightning_sac.solver.memory_model import activation_windows
 from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
 
@@ -90,7 +91,11 @@ def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
 
 
 def find_candidates(
-    profile: ModelProfile, candidates: Sequence[Any] | None = None, n_segments: int = 2, backend: str = "sac"
+    profile: ModelProfile,
+    candidates: Sequence[Any] | None = None,
+    n_segments: int = 2,
+    backend: str = "sac",
+    masks: bool = False,
 ) -> list[Candidate]:
     """Modules that can be checkpointed: with op stats, run once, with a backward, matching ``candidates``.
 
@@ -103,6 +108,8 @@ def find_candidates(
         candidates: Module classes or fqn glob patterns (``"blocks.*"``); ``None`` allows every module.
         n_segments: Lines of each trade-off fit.
         backend: The backend the plan is for (what its recompute brings back).
+        masks: Whether the trade-offs are of :func:`~lightning_sac.solver.masks.masked_view` (dropout noise may
+            be kept as masks).
     """
     if candidates is not None:
         bad = [c for c in candidates if not isinstance(c, (str, type))]
@@ -118,7 +125,7 @@ def find_candidates(
             continue
         post, pre = m.memory["post_forward"], m.memory["pre_forward"]
         retained = max(0, post["activation"] - pre["activation"] - m.output_bytes)
-        tradeoff = module_tradeoff(m.op_stats, n_segments, backend)
+        tradeoff = module_tradeoff(masked_view(m.op_stats, backend) if masks else m.op_stats, n_segments, backend)
         if tradeoff.total_memory == 0 or retained == 0:
             continue  # nothing to free
         bound = recompute_transient(m.op_stats, None, backend)

@@ -11,12 +11,6 @@ import highspy
 from lightning_sac.apply.recompute import (
     check_backend,
     fixed_overhead_ms,
-    overhead_ms,
-    recompute_ms,
-    recompute_transient,
-    rerun_output_bytes,
-    skipped_ops,
-    whole_overhead_ms,
 )
 from lightning_sac.device_reserve import device_reserve
 from lightning_sac.errors import BudgetError
@@ -26,12 +20,12 @@ from lightning_sac.solver.candidates import (
     Candidate,
     excluded_reason,
     find_candidates,
-    forward_temporaries,
     more_candidates_hint,
     op_stats,
 )
+from lightning_sac.solver.decisions import plan_decisions, plan_peak, whole_costs
 from lightning_sac.solver.highs import new_highs
-from lightning_sac.solver.knapsack import optimal_op_policy
+from lightning_sac.solver.masks import mask_fixed_ms, mask_unit
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
     constant_floor,
@@ -41,7 +35,6 @@ from lightning_sac.solver.memory_model import (
 )
 from lightning_sac.solver.rows import MIB as _MIB
 from lightning_sac.solver.rows import add_candidates, memory_rows
-from lightning_sac.tradeoff import effective_memory
 
 # Candidate, excluded_reason and find_candidates are re-exported: callers found them here first.
 __all__ = ["Candidate", "excluded_reason", "find_candidates", "solve_plan"]
@@ -54,22 +47,6 @@ _MARGIN_MIB = 1 / 1024
 REFINE_CANDIDATES = 64
 # How often a plan whose own figures exceed the budget is solved again under a lower limit.
 _TIGHTEN_ROUNDS = 3
-
-
-def _whole_costs(
-    profile: ModelProfile, cands: list[Candidate], backend: str, measured: dict[str, list[float] | None]
-) -> dict[str, float]:
-    """Per candidate whose most-discarding policy saves nothing: that policy's recompute and overhead, ms."""
-    costs = {}
-    for c in cands:
-        if c.tradeoff.stored:  # it must save something: never a plain checkpoint
-            continue
-        stats = op_stats(profile, c.fqn)
-        policy = optimal_op_policy(stats, 0.0, backend)
-        overhead = whole_overhead_ms(stats, policy, backend, measured[c.fqn])
-        if overhead is not None:
-            costs[c.fqn] = recompute_ms(stats, policy, backend) + overhead
-    return costs
 
 
 def _minimum_peak(
@@ -96,69 +73,18 @@ def _lowest_plan(
     backend: str,
     per_op_us: list[float],
     measured: dict[str, list[float] | None],
+    masks: bool,
 ) -> tuple[dict[str, ModuleDecision], int]:
     """The plan of the lowest peak by its policies' own figures, of the lowest-peak MILPs (lines and bounds)."""
     best: tuple[dict[str, ModuleDecision], int] | None = None
     for bound in (False, True):
         _, lowest = _minimum_peak(cands, constraints, bound=bound)
-        decisions = _decisions(profile, cands, lowest, backend, per_op_us, measured)
-        peak = _peak(profile, constraints, decisions, backend)
+        decisions = plan_decisions(profile, cands, lowest, backend, per_op_us, measured, masks)
+        peak = plan_peak(profile, constraints, decisions, backend)
         if best is None or peak < best[1]:
             best = (decisions, peak)
     assert best is not None
     return best
-
-
-def _peak(
-    profile: ModelProfile, constraints: list[MemoryConstraint], decisions: dict[str, ModuleDecision], backend: str
-) -> int:
-    """The step's peak under ``decisions``, with each recompute's transient as its policy has it."""
-    freed = {f: d.freed_bytes for f, d in decisions.items()}
-    transient = {f: _transient(profile, f, d.op_policy, backend) for f, d in decisions.items()}
-    return peak_with_plan(constraints, freed, transient)
-
-
-def _transient(profile: ModelProfile, fqn: str, policy: list[int], backend: str) -> int:
-    """What the recompute of ``fqn`` under ``policy`` holds at once besides its activations."""
-    stats = op_stats(profile, fqn)
-    exact = recompute_transient(stats, policy, backend)
-    if exact is None:  # a profile without op lifetimes
-        return forward_temporaries(profile.modules[fqn]) + rerun_output_bytes(stats, policy, backend)
-    return exact
-
-
-def _decisions(
-    profile: ModelProfile,
-    cands: list[Candidate],
-    chosen: dict[str, float],
-    backend: str,
-    per_op_us: list[float],
-    measured: dict[str, list[float] | None],
-) -> dict[str, ModuleDecision]:
-    """Each chosen candidate's discard ratio as an exact op policy, with what it frees and costs."""
-    decisions = {}
-    for c in cands:
-        if c.fqn not in chosen:
-            continue
-        discard = min(max(chosen[c.fqn], c.min_discard), c.tradeoff.max_discard)
-        stats = op_stats(profile, c.fqn)
-        keep = max(0.0, min(1.0, 1.0 - discard))
-        if not c.tradeoff.stored and discard >= c.tradeoff.max_discard - 1e-9:
-            keep = 0.0  # the largest discard of a module that must save nothing: rounding must not save an op
-        policy = optimal_op_policy(stats, keep, backend)
-        saved = sum(m for m, keep in zip(effective_memory(stats), policy, strict=True) if keep)
-        if c.retained - saved <= 0:
-            continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
-        decisions[c.fqn] = ModuleDecision(
-            discard_ratio=discard,
-            op_policy=policy,
-            recompute_ms=recompute_ms(stats, policy, backend),
-            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[c.fqn]),
-            freed_bytes=c.retained - saved,
-            op_names=list(stats.func_names),
-            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
-        )
-    return decisions
 
 
 def solve_plan(
@@ -173,6 +99,7 @@ def solve_plan(
     mip_gap: float = 1e-2,
     backend: str = "sac",
     refine: bool = True,
+    masks: bool = True,
 ) -> Plan:
     """Choose the modules to checkpoint and the share of each one's activations to discard.
 
@@ -200,6 +127,10 @@ def solve_plan(
             The fits only approximate each module's trade-off curve, so another fit can find a plan that
             recomputes less within the same budget (on the demo GPT at torchtitan's peak, 4% less overhead);
             both plans are checked against the budget with their own figures.
+        masks: Whether the SAC backend may keep a module's dropout noise as ``bool`` masks, copied back in
+            recompute instead of drawn again (:mod:`lightning_sac.solver.masks`); when some module can, the plan
+            is also solved without and the least predicted step kept. Not under ``torch.compile``, whose traced
+            regions cannot run the copy: AutoSAC turns it off for a compiled model.
 
     Raises:
         BudgetError: The budget is below the minimum achievable peak.
@@ -207,11 +138,17 @@ def solve_plan(
     """
     start = time.perf_counter()
     args = (world_size, sharding, candidates, time_limit_s, mip_gap, backend)
-    plan, n_candidates = _solve(profile, budget_gb, n_segments, *args)
-    if refine and plan.decisions and n_candidates <= REFINE_CANDIDATES:
-        other, _ = _solve(profile, budget_gb, n_segments + 1, *args)
-        if other.predicted_step_ms < plan.predicted_step_ms:
-            plan = other
+    masks = masks and backend == "sac" and any(mask_unit(m.op_stats) for m in profile.modules.values() if m.op_stats)
+    plan, n_candidates = _solve(profile, budget_gb, n_segments, *args, masks)
+    if plan.decisions:
+        fits = [n_segments, n_segments + 1] if refine and n_candidates <= REFINE_CANDIDATES else [n_segments]
+        # A masked random unit still reruns the ops around its draws; where keeping the noise itself is cheap, a
+        # plan without masks can be the faster one.
+        tries = [(n, m) for m in dict.fromkeys((masks, False)) for n in fits][1:]
+        for n, m in tries:
+            other, _ = _solve(profile, budget_gb, n, *args, m)
+            if other.predicted_step_ms < plan.predicted_step_ms:
+                plan = other
     plan.solver_seconds = time.perf_counter() - start
     return plan
 
@@ -226,6 +163,7 @@ def _solve(
     time_limit_s: float,
     mip_gap: float,
     backend: str,
+    masks: bool,
 ) -> tuple[Plan, int]:
     """One solve of :func:`solve_plan` with ``n_segments`` lines per trade-off fit; the plan and the candidates."""
     start = time.perf_counter()
@@ -239,7 +177,7 @@ def _solve(
     reserve = device_reserve(profile, world_size)
     # The step's tensors get what the device holds for nothing else (see lightning_sac.device_reserve).
     budget = int(budget_gb * _GIB) - reserve.total
-    cands = find_candidates(profile, candidates, n_segments, backend)
+    cands = find_candidates(profile, candidates, n_segments, backend, masks)
     windows = {c.fqn: c.window for c in cands}
     constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
     unconstrained = peak_with_plan(constraints, {}, {})
@@ -276,7 +214,10 @@ def _solve(
     measured = {c.fqn: profile.modules[c.fqn].measured_overhead.get(backend) for c in cands}
     fixed_ms = {c.fqn: fixed_overhead_ms(op_stats(profile, c.fqn), backend, per_op_us, measured[c.fqn]) for c in cands}
     factor = {fqn: m[1] for fqn, m in measured.items() if m}
-    whole_ms = _whole_costs(profile, cands, backend, measured)
+    if masks:  # what a masked random unit reruns, left out of the view's curve (see solver.masks)
+        for c in cands:
+            fixed_ms[c.fqn] += factor.get(c.fqn, 1.0) * mask_fixed_ms(op_stats(profile, c.fqn), backend)
+    whole_ms = whole_costs(profile, cands, backend, measured)
     limit = budget / _MIB - _MARGIN_MIB
     # First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
     # holds), then with the all-recompute figure; each solved again with its limit lowered by what the chosen
@@ -300,8 +241,8 @@ def _solve(
             if h.getInfo().primal_solution_status == 0:
                 raise RuntimeError(f"HiGHS found no plan within time_limit_s={time_limit_s}; raise the time limit.")
             chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
-            decisions = _decisions(profile, cands, chosen, backend, per_op_us, measured)
-            peak = _peak(profile, constraints, decisions, backend)
+            decisions = plan_decisions(profile, cands, chosen, backend, per_op_us, measured, masks)
+            peak = plan_peak(profile, constraints, decisions, backend)
             if peak <= budget:
                 plan.decisions, plan.predicted_peak_bytes = decisions, peak
                 status_text, gap = h.modelStatusToString(status), float(h.getInfo().mip_gap)
@@ -310,7 +251,7 @@ def _solve(
         if status_text:
             break
     if not status_text:
-        decisions, peak = _lowest_plan(profile, cands, constraints, backend, per_op_us, measured)
+        decisions, peak = _lowest_plan(profile, cands, constraints, backend, per_op_us, measured, masks)
         if peak > budget:
             kept = (
                 f" (the tensors' {peak / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "

@@ -1,0 +1,96 @@
+"""What a plan's chosen discard ratios become: exact op policies, with what they free and cost, and the peak."""
+
+from __future__ import annotations
+
+from lightning_sac.apply.recompute import (
+    overhead_ms,
+    recompute_ms,
+    recompute_transient,
+    rerun_output_bytes,
+    skipped_ops,
+    whole_overhead_ms,
+)
+from lightning_sac.plan import ModuleDecision
+from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
+from lightning_sac.solver.knapsack import optimal_op_policy
+from lightning_sac.solver.masks import masked_view, realize
+from lightning_sac.solver.memory_model import MemoryConstraint, peak_with_plan
+from lightning_sac.tradeoff import effective_memory
+
+__all__ = ["plan_decisions", "plan_peak", "whole_costs"]
+
+
+def whole_costs(
+    profile: ModelProfile, cands: list[Candidate], backend: str, measured: dict[str, list[float] | None]
+) -> dict[str, float]:
+    """Per candidate whose most-discarding policy saves nothing: that policy's recompute and overhead, ms."""
+    costs = {}
+    for c in cands:
+        if c.tradeoff.stored:  # it must save something: never a plain checkpoint
+            continue
+        stats = op_stats(profile, c.fqn)
+        policy = optimal_op_policy(stats, 0.0, backend)
+        overhead = whole_overhead_ms(stats, policy, backend, measured[c.fqn])
+        if overhead is not None:
+            costs[c.fqn] = recompute_ms(stats, policy, backend) + overhead
+    return costs
+
+
+def plan_peak(
+    profile: ModelProfile, constraints: list[MemoryConstraint], decisions: dict[str, ModuleDecision], backend: str
+) -> int:
+    """The step's peak under ``decisions``, with each recompute's transient as its policy has it."""
+    freed = {f: d.freed_bytes for f, d in decisions.items()}
+    transient = {f: _transient(profile, f, d.op_policy, backend, d.masked_ops) for f, d in decisions.items()}
+    return peak_with_plan(constraints, freed, transient)
+
+
+def _transient(profile: ModelProfile, fqn: str, policy: list[int], backend: str, masked: list[int]) -> int:
+    """What the recompute of ``fqn`` under ``policy`` (and ``masked`` draws) holds at once besides its activations."""
+    stats = op_stats(profile, fqn)
+    exact = recompute_transient(stats, policy, backend, masked)
+    if exact is None:  # a profile without op lifetimes
+        return forward_temporaries(profile.modules[fqn]) + rerun_output_bytes(stats, policy, backend)
+    return exact
+
+
+def plan_decisions(
+    profile: ModelProfile,
+    cands: list[Candidate],
+    chosen: dict[str, float],
+    backend: str,
+    per_op_us: list[float],
+    measured: dict[str, list[float] | None],
+    masks: bool,
+) -> dict[str, ModuleDecision]:
+    """Each chosen candidate's discard ratio as an exact op policy, with what it frees and costs.
+
+    With ``masks``, the policy is found on :func:`~lightning_sac.solver.masks.masked_view` and realized.
+    """
+    decisions = {}
+    for c in cands:
+        if c.fqn not in chosen:
+            continue
+        discard = min(max(chosen[c.fqn], c.min_discard), c.tradeoff.max_discard)
+        stats = op_stats(profile, c.fqn)
+        keep = max(0.0, min(1.0, 1.0 - discard))
+        if not c.tradeoff.stored and discard >= c.tradeoff.max_discard - 1e-9:
+            keep = 0.0  # the largest discard of a module that must save nothing: rounding must not save an op
+        view = masked_view(stats, backend) if masks else stats
+        found = optimal_op_policy(view, keep, backend)
+        saved = sum(m for m, keep in zip(effective_memory(view), found, strict=True) if keep)
+        if c.retained - saved <= 0:
+            continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
+        policy, masked = realize(stats, found, backend) if masks else (found, [])
+        decisions[c.fqn] = ModuleDecision(
+            discard_ratio=discard,
+            op_policy=policy,
+            recompute_ms=recompute_ms(stats, policy, backend, masked),
+            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[c.fqn], masked),
+            freed_bytes=c.retained - saved,
+            op_names=list(stats.func_names),
+            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
+            masked_ops=masked,
+        )
+    return decisions

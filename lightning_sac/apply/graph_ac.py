@@ -303,7 +303,7 @@ def recompute_count() -> int:
 class GraphCheckpointForward(PlannedForward):
     """A module's forward run as a graph region with a plan's per-op decisions (the ``"graph"`` backend)."""
 
-    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
+    def run(self, state: CallState, /, *args: Any, **kwargs: Any) -> Any:
         """Run the forward inside a graph region whose policy is :meth:`PlannedForward.decide`."""
         with save_recompute_policy(lambda ctx, func, *a, **k: self.decide(state, func, a, k)):
             return self.inner(*args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -17,7 +18,17 @@ from lightning_sac.caches import CacheCall, layer_indices, without_kv_caches
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors, op_name
 
-__all__ = ["CallState", "Notices", "PlannedForward"]
+__all__ = ["CallState", "Notices", "PlannedForward", "bound"]
+
+
+def bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with the call's keyword arguments bound, to pass to ``torch.utils.checkpoint``.
+
+    ``checkpoint`` takes keywords of its own (``use_reentrant``, ``context_fn``, ``debug``, ``early_stop``,
+    ``determinism_check``, ``preserve_rng_state``) and would take a module's keyword of the same name as its
+    own; bound here, they reach the module whatever their names.
+    """
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 class Notices:
@@ -192,8 +203,12 @@ class PlannedForward:
             return state.random_saved
         return False
 
-    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
-        """Run the forward under the backend, asking :meth:`decide` about each op."""
+    def run(self, state: CallState, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the forward under the backend, asking :meth:`decide` about each op.
+
+        Every wrapper's own parameters are positional-only, so that no keyword the module takes (``state=``,
+        ``fn=``, ``self=``...) collides with them.
+        """
         raise NotImplementedError
 
     def begin(self) -> CallState:
@@ -236,7 +251,7 @@ class PlannedForward:
                 "planned. (Warned once.)",
             )
 
-    def run_traced(self, *args: Any, **kwargs: Any) -> Any:
+    def run_traced(self, /, *args: Any, **kwargs: Any) -> Any:
         """The forward as ``torch.compile`` traces it: a checkpoint whose ``context_fn`` dynamo can pass on."""
         call = without_kv_caches(self.module, args, kwargs, self.layers)
         if call.unplanned:
@@ -244,9 +259,11 @@ class PlannedForward:
             return self.inner(*args, **kwargs)
         if self.masked:
             _said_redrawn(self)
-        return checkpoint(self.inner, *call.args, use_reentrant=False, context_fn=self.traced_contexts, **call.kwargs)
+        return checkpoint(
+            bound(self.inner, call.kwargs), *call.args, use_reentrant=False, context_fn=self.traced_contexts
+        )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward with the plan; plainly without grad (evaluation)."""
         if not torch.is_grad_enabled():
             return self.inner(*args, **kwargs)

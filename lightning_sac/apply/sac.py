@@ -26,7 +26,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from lightning_sac.apply.planned import CallState, PlannedForward
+from lightning_sac.apply.planned import CallState, PlannedForward, bound
 from lightning_sac.apply.skip_dead import SkipDeadOps
 from lightning_sac.plan import ModuleDecision
 
@@ -110,7 +110,7 @@ class SelectiveCheckpointForward(PlannedForward):
         self.skipped = list(decision.skipped_ops)
         self.last_skipper: SkipDeadOps | None = None  # the last recompute's (tests read what it skipped)
 
-    def run(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
+    def run(self, state: CallState, /, *args: Any, **kwargs: Any) -> Any:
         """Run the forward under ``torch.utils.checkpoint``: with the selective policy, or plainly."""
         if not self.whole:
             return self._selective(state, *args, **kwargs)
@@ -118,15 +118,14 @@ class SelectiveCheckpointForward(PlannedForward):
         if self.kinds.get(kind):
             state.unobserved = True
             if not self.skipped:
-                return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+                return checkpoint(bound(self.inner, kwargs), *args, use_reentrant=False)
             # The recompute alone runs under a dispatch mode, which sees every op of it: the one that skips.
             order = range(len(self.names))
             return checkpoint(
-                self.inner,
+                bound(self.inner, kwargs),
                 *args,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), self._skipper(order)),
-                **kwargs,
             )
         out = self._selective(state, *args, **kwargs)
         if len(self.kinds) >= _MAX_KINDS:
@@ -144,7 +143,7 @@ class SelectiveCheckpointForward(PlannedForward):
             return ()  # the call left the plan: its decisions are not the plan's, so nothing is skipped
         return [i for i, save in enumerate(self.save) if not save]
 
-    def _selective(self, state: CallState, *args: Any, **kwargs: Any) -> Any:
+    def _selective(self, state: CallState, /, *args: Any, **kwargs: Any) -> Any:
         def contexts() -> tuple[Any, Any]:
             # A fresh call state for the forward; recompute reads SAC's cache and does not ask the policy.
             # An in-place op shares its parent's decision, so a saved parent's cache entry is mutated by its
@@ -163,4 +162,4 @@ class SelectiveCheckpointForward(PlannedForward):
 
             return forward, _Beneath(recompute, skipper)
 
-        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        return checkpoint(bound(self.inner, kwargs), *args, use_reentrant=False, context_fn=contexts)

@@ -261,7 +261,40 @@ def gpt2_gradient_checkpointing() -> Family:
     return family
 
 
+def wav2vec2_ctc() -> Family:
+    """A CTC speech recognizer: its loss's output shape depends on the label lengths (varied here), batch values."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        pad_token_id=0,
+        ctc_loss_reduction="mean",
+        # SpecAugment draws its masks from numpy's random stream and LayerDrop skips layers at random: off, so that
+        # the planned and the plain runs compute the same step.
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+    )
+    g = torch.Generator().manual_seed(1)
+    audio = torch.randn(4, 8000, generator=g)
+    labels = torch.randint(1, 32, (4, 30), generator=g)
+    labels[1, 20:] = -100
+    labels[2, 12:] = -100
+    return Family("wav2vec2_ctc", Wav2Vec2ForCTC(config).train(), {"input_values": audio, "labels": labels})
+
+
 FAMILIES: dict[str, Callable[[], Family]] = {
     f.__name__: f
     for f in (gpt2, llama, llama_lora, bert, t5, resnet, lstm, self_checkpointing, gpt2_gradient_checkpointing)
 }
+FAMILIES["wav2vec2_ctc"] = wav2vec2_ctc

@@ -135,6 +135,9 @@ class CudaEmulation(contextlib.ExitStack):
         return self
 
 
+_CTC_BACKWARD = (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+
+
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -147,10 +150,15 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     step show them, and on small conv nets they are the step's peak. oneDNN's LSTM layer forward and backward
     hold scratch buffers measured on the kernel (:mod:`lightning_sac.profiling.cpu_kernels`). A pointwise op
     whose operands' dtypes differ (an fp32 residual plus a bf16 branch under autocast) converts them to the
-    common dtype first (:mod:`lightning_sac.profiling.cpu_promotion`).
+    common dtype first (:mod:`lightning_sac.profiling.cpu_promotion`). CTC's backward holds a tensor the size of
+    the forward's ``log_alpha``.
     """
     if func is aten.convolution_backward.default:
         return 2 * _nbytes(args[1])
+    if func in _CTC_BACKWARD:
+        # The CTC backward computes log_beta, shaped like the forward's log_alpha (its seventh argument), and frees
+        # it on return (measured on torch 2.13's CPU kernel).
+        return _nbytes(args[6])
     rnn = rnn_layer_memory(func, args, kwargs)
     if rnn is not None:
         return rnn.forward_scratch if func is aten.mkldnn_rnn_layer.default else rnn.backward_scratch

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors
 from lightning_sac.profiling.placeholders import Placeholders
+from lightning_sac.profiling.value_shapes import run_on_batch_values
 
 __all__ = ["DATA_DEPENDENT", "REAL_LIMIT_BYTES", "RealValuesMode", "dry_run_inputs"]
 
@@ -172,7 +173,14 @@ class RealValuesMode(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except _DYNAMIC_SHAPE as err:
-            return self._boolean_indexed(func, args, kwargs, err)
+            if func in _BOOLEAN_INDEXED:
+                return self._boolean_indexed(func, args, kwargs, err)
+            # A size decided by the batch's values alone (CTC's target lengths): from them (value_shapes.py).
+            out = run_on_batch_values(func, args, kwargs, self.is_real, self.limit_bytes)
+            if out is None:
+                raise
+            _drop_tracebacks(err)
+            return out
         except DataDependentOutputException as err:
             if self.placeholders is None or not self.placeholders.handles(func):
                 raise

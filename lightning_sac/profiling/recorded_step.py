@@ -20,7 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from lightning_sac.caches import CacheSwitch
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.profiling.compat import real_step_answers
+from lightning_sac.profiling.compat import plain_tensor_paths, real_step_answers
 from lightning_sac.profiling.cuda_sdpa import attention_workspace_bytes
 from lightning_sac.profiling.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
@@ -225,7 +225,18 @@ def record_step(
         real_values.enabled = phase in ("forward", "backward")
 
     # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one.
-    with flags_off(fmodel, replaced), real_step_answers(), watch, switch, placeholders, mode, real_values, emulation:
+    # ATen's paths for plain tensors are taken (compat.py: CTC's lengths).
+    with (
+        flags_off(fmodel, replaced),
+        real_step_answers(),
+        plain_tensor_paths(),
+        watch,
+        switch,
+        placeholders,
+        mode,
+        real_values,
+        emulation,
+    ):
         optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
         real_in("optimizer")
         _warm_up(fmodel, finputs, step, forward, optimizers, on_phase=real_in)
@@ -236,6 +247,7 @@ def record_step(
             step.estimator,
             workspace=cpu_workspace_bytes if cpu else attention_workspace_bytes,
             output_bytes=cpu_output_bytes if cpu else None,
+            is_real=real_values.is_real,
         )
         try:
             recorder.track_existing(params, "parameter")

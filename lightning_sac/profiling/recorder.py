@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
@@ -40,6 +41,7 @@ from lightning_sac.profiling.ops import (
 )
 from lightning_sac.profiling.real_values import DATA_DEPENDENT
 from lightning_sac.profiling.runtime import RuntimeEstimator
+from lightning_sac.profiling.value_shapes import data_dependent_error
 
 __all__ = ["StepRecorder"]
 
@@ -63,6 +65,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             its arguments and what it returned.
         output_bytes: Per output position, the bytes an op's output really has on the target where the fake
             kernel gives another size (``{}`` for most ops).
+        is_real: Whether a tensor holds the real step's values (the batch's, :mod:`~lightning_sac.profiling.
+            real_values`), to tell the user whose values an op it cannot run lacks; default: not a fake tensor.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         *,
         workspace: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], int] | None = None,
         output_bytes: Callable[[Any, tuple[Any, ...], dict[str, Any]], dict[int, int]] | None = None,
+        is_real: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         super().__init__()
+        self.is_real = is_real
         self.workspace = workspace
         self.output_bytes = output_bytes
         self.spec = spec
@@ -209,17 +215,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         except DATA_DEPENDENT as err:
             module = self._stack[-1] if self._stack else (self._bwd_open[-1] if self._bwd_open else "")
             where = user_source_line()
-            raise ProfilingError(
-                f"Module {module or '<root>'!r} calls {func} at {where}, and its result depends on the values of "
-                "a tensor derived from the weights, which the dry run does not have (it has the batch's values: "
-                ".item(), .all(), nonzero or a boolean mask on ids, masks and labels work). Make that code "
-                "shape-static (e.g. torch.where instead of x[mask]) or move it out of the training step; with "
-                "AutoSAC, example_batch= plans for another batch and strict=False trains without a plan. The "
-                "model was not changed.",
-                op=str(func),
-                module=module,
-                source=where,
-            ) from err
+            is_real = self.is_real or (lambda t: not isinstance(t, FakeTensor))
+            raise data_dependent_error(func, args, kwargs, err, is_real, module=module, where=where) from err
         inputs = flat_tensors(args) + flat_tensors(list(kwargs.values()))
         for t in inputs:
             # A storage no op created was alive before the step (e.g. a tensor attribute): count it as such.

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_sac.apply.graph_nodes import Leaf, Node, Ref, Refs, leaves, map_args, rng_state
+from lightning_sac.apply.graph_nodes import Leaf, Node, Ref, Refs, leaves, map_args, missing_ancestors, rng_state
 from lightning_sac.apply.graph_policy import (
     POLICY_SHORTCUTS,
     SAVE_DECISIONS,
@@ -34,6 +34,7 @@ from lightning_sac.apply.graph_policy import (
     PolicyFn,
     compose_policies,
 )
+from lightning_sac.apply.graph_writes import Versions, writable_copies, written_storages
 from lightning_sac.apply.planned import CallState, PlannedForward
 from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors
 
@@ -53,6 +54,7 @@ class _Graph:
     def __init__(self) -> None:
         self.policies: list[tuple[PolicyFn, list[int]]] = []  # (policy, [op counter of its region])
         self.refs = Refs()  # tensor -> Ref of the op that last wrote it
+        self.versions = Versions()  # written storage -> Ref of its latest version
         self.mode: _RecordMode | None = None
         self.hooks: Any = None
         self.recomputes = 0  # op calls made by recompute, for tests and diagnostics
@@ -84,36 +86,58 @@ class _Graph:
             for earlier, index in self.saved_on.get(id(flat_args[i].untyped_storage()), []):
                 self._mark_stale(earlier, index)
         outputs = [o if isinstance(o, torch.Tensor) else None for o in leaves(out)]
-        node = Node(func, map_args(args, self._ref_of), map_args(kwargs, self._ref_of), mutates, rng, len(outputs))
+        node_args, node_kwargs = map_args(args, self._ref_of), map_args(kwargs, self._ref_of)
+        # A write changes its whole storage: the node also produces the new value of each storage it writes
+        # (apply.graph_writes), which every tensor on that storage resolves to from now on.
+        versions = written_storages(flat_args, mutates, leaves((node_args, node_kwargs)))
+        node = Node(func, node_args, node_kwargs, mutates, rng, len(outputs) + len(versions))
         # An op writing to a tensor from outside the region (BatchNorm's running stats) must not run twice.
         if mutates:
             refs = leaves((node.args, node.kwargs))
             node.recomputable = not any(isinstance(refs[i], Leaf) for i in mutates)
+        produced = outputs + versions
         if decision in SAVE_DECISIONS or not node.recomputable:
-            node.saved = [None if o is None else o.detach() for o in outputs]
-            for index, o in enumerate(outputs):
+            node.saved = [None if o is None else o.detach() for o in produced]
+            for index, o in enumerate(produced):
                 if o is not None:
                     self.saved_on.setdefault(id(o.untyped_storage()), []).append((node, index))
         for i, o in enumerate(outputs):
             if o is not None:
                 self.refs[o] = Ref(node, i)
+        if node.recomputable:
+            for j, t in enumerate(versions):
+                self.versions.set(t, Ref(node, len(outputs) + j))
         return out
 
     def _ref_of(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
+        if self.versions:
+            resolved = self.versions.resolve(x)
+            if resolved is not None:  # its storage was written: its own view of the latest version
+                view, new = resolved
+                version = view.node.args[0] if new else None
+                if version is not None and self._fresh(version.node, version.index):
+                    # The version is kept as it is: so is this view of it, which costs no memory.
+                    view.node.saved = [x.detach()]
+                    self.saved_on.setdefault(id(x.untyped_storage()), []).append((view.node, 0))
+                return view
         ref = self.refs.get(x)
         return ref if ref is not None else Leaf(x)
 
     # ------------------------------------------------------------------ packing
     def _acquire(self, ref: Ref) -> None:
-        node = ref.node
-        node.uses[ref.index] += 1
-        if not node.held and not self._available(node, ref.index):
-            self._hold(node)
+        # Without recursion: a recurrent scan's ancestry is as deep as its sequence is long.
+        todo = [ref]
+        while todo:
+            ref = todo.pop()
+            node = ref.node
+            node.uses[ref.index] += 1
+            if not node.held and not self._available(node, ref.index):
+                node.held = True  # once per recompute, however many of the node's outputs it serves
+                todo.extend(arg for arg in leaves((node.args, node.kwargs)) if isinstance(arg, Ref))
 
     def _hold(self, node: Node) -> None:
-        # Once per recompute, however many of the node's outputs it serves.
         node.held = True
         for arg in leaves((node.args, node.kwargs)):
             if isinstance(arg, Ref):
@@ -139,8 +163,8 @@ class _Graph:
         return _Graph._fresh(node, index) or (node.cache is not None and node.cache[index] is not None)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        ref = self.refs.get(tensor)
-        if ref is None:
+        ref = self._ref_of(tensor)
+        if not isinstance(ref, Ref):
             return tensor
         self._acquire(ref)
         return ref
@@ -167,13 +191,15 @@ class _Graph:
             return x
 
         args, kwargs = map_args(node.args, value), map_args(node.kwargs, value)
+        written: list[torch.Tensor] = []
         if node.mutates:
             # Never write into a cached or saved tensor other consumers may still read: write into a copy.
             flat = leaves((args, kwargs))
-            copies = {id(flat[i]): flat[i].clone() for i in node.mutates}
+            copies = writable_copies(flat, node.mutates)
             args, kwargs = map_args(
                 (args, kwargs), lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
             )
+            written = written_storages(leaves((args, kwargs)), node.mutates, leaves((node.args, node.kwargs)))
         self.recomputes += 1
         self.recomputing = True
         try:
@@ -190,7 +216,20 @@ class _Graph:
                     out = node.func(*args, **kwargs)
         finally:
             self.recomputing = False
-        return [o if isinstance(o, torch.Tensor) else None for o in leaves(out)]
+        return [o if isinstance(o, torch.Tensor) else None for o in leaves(out)] + written
+
+    def _fill(self, node: Node, index: int = -1) -> None:
+        """Recompute ``node`` and cache the outputs consumers still need (``index``: the one asked for)."""
+        if not node.held:
+            # Code after the region overwrote this saved output, or a second backward needs one already
+            # freed: no use of the inputs was taken for it at pack time.
+            self._hold(node)
+        outputs = self._compute(node)
+        node.held = False  # the recompute consumed its uses of the inputs
+        # Cache only the outputs consumers still need that the saved copies cannot serve.
+        node.cache = [
+            o if i == index or (node.uses[i] > 0 and not self._fresh(node, i)) else None for i, o in enumerate(outputs)
+        ]
 
     def _realize(self, ref: Ref) -> torch.Tensor:
         node, index = ref.node, ref.index
@@ -200,17 +239,11 @@ class _Graph:
             result = node.saved[index]
         else:
             if node.cache is None or node.cache[index] is None:
-                if not node.held:
-                    # Code after the region overwrote this saved output, or a second backward needs one already
-                    # freed: no use of the inputs was taken for it at pack time.
-                    self._hold(node)
-                outputs = self._compute(node)
-                node.held = False  # the recompute consumed its uses of the inputs
-                # Cache only the outputs consumers still need that the saved copies cannot serve.
-                node.cache = [
-                    o if i == index or (node.uses[i] > 0 and not self._fresh(node, i)) else None
-                    for i, o in enumerate(outputs)
-                ]
+                # Deepest first, so that each recompute finds its inputs ready: no recursion along a long chain.
+                for ancestor in missing_ancestors(node, self._available):
+                    self._fill(ancestor)
+                self._fill(node, index)
+            assert node.cache is not None
             result = node.cache[index]
         if result is None:
             raise RuntimeError(
@@ -246,6 +279,7 @@ class _Graph:
             self.hooks.__exit__(None, None, None)
             self.mode = None
             self.refs = Refs()
+            self.versions = Versions()
             # From here on, version counters tell whether code after the region mutates a saved output.
             for entries in self.saved_on.values():
                 for node, _ in entries:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Leaf", "Node", "Ref", "Refs", "RngState", "leaves", "map_args", "rng_state"]
+__all__ = ["Leaf", "Node", "Ref", "Refs", "RngState", "leaves", "map_args", "missing_ancestors", "rng_state"]
 
 
 #: The CPU generator state and each CUDA device's, taken before a random op.
@@ -107,6 +107,36 @@ def leaves(x: Any) -> list[Any]:
     if isinstance(x, dict):
         return [leaf for v in x.values() for leaf in (leaves(v) if isinstance(v, CONTAINERS) else (v,))]
     return [x]
+
+
+def missing_ancestors(node: Node, available: Callable[[Node, int], bool]) -> list[Node]:
+    """The node's missing ancestors, each after its own missing inputs (a depth-first post-order).
+
+    Missing: an input's node that is not ``available`` for that output, and so on up. Without recursion: a
+    recurrent scan's ancestry is as deep as its sequence is long.
+    """
+
+    def missing(n: Node, visited: set[int]) -> list[tuple[Node, bool]]:
+        return [
+            (arg.node, False)
+            for arg in reversed(leaves((n.args, n.kwargs)))
+            if isinstance(arg, Ref) and id(arg.node) not in visited and not available(arg.node, arg.index)
+        ]
+
+    order: list[Node] = []
+    visited: set[int] = {id(node)}
+    stack = missing(node, visited)
+    while stack:
+        current, expanded = stack.pop()
+        if expanded:
+            order.append(current)
+            continue
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
+        stack.append((current, True))
+        stack.extend(missing(current, visited))
+    return order
 
 
 class Refs:

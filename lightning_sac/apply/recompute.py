@@ -20,7 +20,7 @@ Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
     # A stateful op's outputs are served as saved even when one of them is overwritten later (BatchNorm's output
     # by an in-place ReLU): graph AC tracks staleness per output, and backward needs only its statistics.
     fresh = (kept - set(stats.mutated_later)) | set(stats.stateful_ops)
+    writes, root = _writes_by_storage(stats)
     rerun: set[int] = set()
     todo = [i for i in stats.packed_ops if i not in fresh]
     while todo:
@@ -154,8 +155,37 @@ def recomputed_ops(stats: ModuleOpStats, policy: Sequence[int], backend: str = "
         if i in rerun:
             continue
         rerun.add(i)
-        todo.extend(j for j in stats.op_inputs[i] if j not in fresh and j not in rerun)
+        for j in stats.op_inputs[i]:
+            if j not in fresh and j not in rerun:
+                todo.append(j)
+            # A storage written in place holds every write before i: replayed back to the latest kept one.
+            for w in reversed([w for w in writes.get(root(j), []) if w < i]):
+                if w in fresh:
+                    break
+                if w not in rerun:
+                    todo.append(w)
     return sorted(rerun)
+
+
+def _writes_by_storage(stats: ModuleOpStats) -> tuple[dict[int, list[int]], Callable[[int], int]]:
+    """Per op that made a storage, the in-place ops writing it, in order; per op, its storage's maker."""
+    parents = {op: parent for op, parent in stats.inplace_ops if op != parent}
+    writes: dict[int, list[int]] = {}
+    for op, parent in parents.items():
+        writes.setdefault(parent, []).append(op)
+    views = set(stats.view_like_ops)
+
+    def root(i: int) -> int:
+        for _ in range(len(stats.func_names)):
+            if i in parents:
+                i = parents[i]
+            elif i in views and stats.op_inputs[i]:
+                i = stats.op_inputs[i][0]
+            else:
+                break
+        return i
+
+    return {k: sorted(v) for k, v in writes.items()}, root
 
 
 def output_op(stats: ModuleOpStats) -> int | None:

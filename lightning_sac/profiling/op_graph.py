@@ -9,7 +9,8 @@ checkpointing recomputes only the ancestors of what backward unpacks (see :mod:`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -36,19 +37,55 @@ class OpRecord:
     mask: tuple[int, float] | None = None  # random noise of 0 and 1: (bytes, ms) of its bool mask (profiling.noise)
 
 
+@dataclass
+class _Deferred:
+    """A view op of a written storage, recorded only if its output lives on (see :meth:`OpGraph.append`)."""
+
+    record: OpRecord
+    outputs: list[weakref.ref[torch.Tensor]]
+    output_ids: set[int]
+    input_ids: set[int]
+
+
 class OpGraph:
-    """Forward ops, the tensors' makers, and autograd's packs, for one recorded step."""
+    """Forward ops, the tensors' makers, and autograd's packs, for one recorded step.
+
+    On fake tensors, autograd rebuilds a view's history after a write to its storage by running the view op
+    again (``view_fn`` replay, for tensors with a Python dispatch key), where on real tensors it builds an
+    ``AsStridedBackward`` without running an op: the dry run would see a ``select`` after each ``buf[:, t] = y``
+    that the real step never runs, and every later op index would be off. Such a replayed view is dropped at once
+    (only its history is kept), so a view op on a written storage is held back until the next op: recorded (in
+    order, with its edges) if its output is still alive or a held-back view that is recorded reads it, dropped
+    otherwise.
+    """
 
     def __init__(self) -> None:
-        self.ops: list[OpRecord] = []
+        self._ops: list[OpRecord] = []
+        self._deferred: list[_Deferred] = []
+        self._written: set[int] = set()  # storages an in-place op of the step wrote
         # (ops run when autograd packed a tensor, the ops that made it, its storage's key). An op's inputs are
         # packed before it runs and its outputs after, so the count says exactly which ops a recompute must have run.
         self.packs: list[tuple[int, tuple[int, ...], tuple[int, int]]] = []
         self._made_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ops that last wrote it
         self.deaths: dict[int, list[int]] = {}  # op -> ops run when each storage it made was freed (forward)
 
-    def makers(self, tensors: list[torch.Tensor]) -> tuple[int, ...]:
-        """The recorded ops whose outputs are among ``tensors`` (tensors from outside have none)."""
+    @property
+    def ops(self) -> list[OpRecord]:
+        """The recorded forward ops, in order (held-back views decided first)."""
+        self._settle()
+        return self._ops
+
+    def may_replay(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether a view op of ``inputs`` may be autograd's replay: one reads a storage written in place."""
+        return any(id(t.untyped_storage()) in self._written for t in inputs)
+
+    def makers(self, tensors: list[torch.Tensor], settle: bool = True) -> tuple[int, ...]:
+        """The recorded ops whose outputs are among ``tensors`` (tensors from outside have none).
+
+        ``settle=False`` for an op to hold back: its edges to held-back views are added when it is recorded.
+        """
+        if settle:
+            self._settle()
         return tuple(sorted({i for t in tensors for i in self._made_by.get(t, ())}))
 
     def pass_through(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -57,12 +94,48 @@ class OpGraph:
         for t in outputs:
             self._made_by[t] = made
 
-    def append(self, record: OpRecord, outputs: list[torch.Tensor]) -> None:
-        """Record an op; it becomes the maker of its outputs (of a mutated tensor too: it wrote last)."""
-        index = len(self.ops)
-        self.ops.append(record)
+    def append(
+        self, record: OpRecord, outputs: list[torch.Tensor], held_back: list[torch.Tensor] | None = None
+    ) -> None:
+        """Record an op; it becomes the maker of its outputs (of a mutated tensor too: it wrote last).
+
+        With ``held_back`` (the op's inputs), a view op is held back until the next op (see the class docstring).
+        """
+        if held_back is not None:
+            refs = [weakref.ref(t) for t in outputs]
+            self._deferred.append(_Deferred(record, refs, {id(t) for t in outputs}, {id(t) for t in held_back}))
+            return
+        self._settle()
+        self._add(record, outputs)
+        if record.inplace_parent is not None:
+            self._written.update(id(t.untyped_storage()) for t in outputs)
+
+    def _add(self, record: OpRecord, outputs: list[torch.Tensor]) -> None:
+        index = len(self._ops)
+        self._ops.append(record)
         for t in outputs:
             self._made_by[t] = (index,)
+
+    def _settle(self) -> None:
+        """Record the held-back views whose outputs live on or feed a recorded one; drop autograd's replays."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        keep = [False] * len(deferred)
+        needed: set[int] = set()
+        for i in range(len(deferred) - 1, -1, -1):
+            entry = deferred[i]
+            if any(ref() is not None for ref in entry.outputs) or entry.output_ids & needed:
+                keep[i] = True
+                needed |= entry.input_ids
+        made: dict[int, int] = {}  # output id of a recorded held-back view -> its op index
+        for entry, kept in zip(deferred, keep, strict=True):
+            if not kept:
+                continue
+            edges = {made[i] for i in entry.input_ids if i in made}
+            record = replace(entry.record, inputs=tuple(sorted({*entry.record.inputs, *edges})))
+            made.update((i, len(self._ops)) for i in entry.output_ids)
+            self._add(record, [t for t in (ref() for ref in entry.outputs) if t is not None])
 
     def freed(self, maker: int) -> None:
         """A storage op ``maker`` made was freed in forward, now (after ``len(ops)`` ops)."""
@@ -70,7 +143,8 @@ class OpGraph:
 
     def pack(self, tensor: torch.Tensor, key: tuple[int, int]) -> None:
         """Autograd saved ``tensor`` (its storage's ``key``) for backward."""
-        self.packs.append((len(self.ops), self.makers([tensor]), key))
+        made = self.makers([tensor])
+        self.packs.append((len(self.ops), made, key))
 
     def module_stats(
         self,

@@ -258,6 +258,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             if inplace:
                 parent = self._producer.get(id(written[0].untyped_storage()), -1) if written else -1
             rand = is_random(func, args, kwargs)
+            # Perhaps autograd's replay of a view after a write (op_graph.OpGraph): decided at the next op.
+            held_back = view_like and torch.is_grad_enabled() and self.graph.may_replay(inputs)
             record = OpRecord(
                 name=op_name(func),
                 ms=ms,
@@ -267,11 +269,11 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
                 inplace_parent=parent,
                 stateful=any(id(t.untyped_storage()) not in output_storages for t in written),
                 outputs=tuple(keys),
-                inputs=self.graph.makers(inputs),
+                inputs=self.graph.makers(inputs, settle=not held_back),
                 storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),
                 mask=noise_mask(func, args, self.estimator, self.spec.round_bytes) if rand else None,
             )
-            self.graph.append(record, outputs)
+            self.graph.append(record, outputs, inputs if held_back else None)
         return out
 
     def _unannounced_backward(self, func: Any) -> ProfilingError:

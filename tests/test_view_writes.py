@@ -1,0 +1,153 @@
+"""Writes made through a view: a recompute rebuilds the written buffer with every write, on both backends.
+
+Each module fills a buffer made by ``zeros_like`` through a view (slice assignment, ``index_put_``, ``scatter_``,
+a view's ``copy_``, ``masked_fill_``, an ``as_strided`` write) and a linear layer reads the whole buffer, so its
+weight gradient needs the buffer's final value. The plans recompute the buffer's producer; loss, every gradient and
+every buffer must equal the plain model's exactly, and the calls must run the profiled ops.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from conftest import adamw, recompute_all_policy
+from torch import nn
+
+from lightning_sac import ModuleDecision, Plan, profile_model
+from lightning_sac.apply import apply_plan
+from lightning_sac.apply.recompute import recomputed_ops
+
+D = 8
+
+
+def loop_slices(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    for t in range(y.shape[1]):
+        buf[:, t] = y[:, t].tanh() * (t + 1)
+    return buf
+
+
+def one_slice(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    buf[:, 1:3] = y[:, :2].sigmoid()
+    return buf
+
+
+def index_put(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    rows = torch.tensor([0, 2, 3])
+    buf[:, 1].index_put_((rows,), y[:3, 0].exp())
+    buf[1:].index_put_((torch.tensor([0, 1]),), y[:2].cos(), accumulate=True)
+    return buf
+
+
+def scatter(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    index = torch.arange(D).flip(0).expand(y.shape[0], D)
+    buf[:, 2].scatter_(1, index, y[:, 0].sin())
+    return buf
+
+
+def view_copy(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    flat = buf.view(-1, D)  # taken before the writes: it must see them
+    flat[::2].copy_(y.reshape(-1, D)[1::2].tanh())
+    return buf + flat.sum()
+
+
+def masked_fill(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    buf.copy_(y.tanh())
+    buf[:, 0].masked_fill_(y[:, 0] > 0, 0.5)
+    return buf
+
+
+def strided(y: torch.Tensor) -> torch.Tensor:
+    buf = torch.zeros_like(y)
+    diagonal = buf.as_strided((y.shape[0], y.shape[1]), (buf.stride(0), buf.stride(1) + 1))
+    diagonal.add_(y[:, 0, : y.shape[1]].square())
+    return buf
+
+
+PATTERNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    f.__name__: f for f in (loop_slices, one_slice, index_put, scatter, view_copy, masked_fill, strided)
+}
+
+
+class Fill(nn.Module):
+    """A linear layer, a buffer filled by ``pattern``, a linear layer reading the whole buffer."""
+
+    def __init__(self, pattern: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.lin = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.pattern(self.lin(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, pattern: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fill = Fill(pattern)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fill(x).square().mean()
+
+
+def steps(
+    model: nn.Module, x: torch.Tensor
+) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    optimizer = adamw(model.parameters())
+    record = []
+    for _ in range(2):
+        loss = model(x)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        record.append((loss.detach(), grads, {n: b.clone() for n, b in model.named_buffers()}))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return record
+
+
+@pytest.mark.parametrize("backend", ["sac", "graph"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_recomputing_the_buffer_replays_every_write(pattern, backend):
+    torch.manual_seed(0)
+    model, x = Model(PATTERNS[pattern]), torch.randn(4, 5, D)
+    profile = profile_model(model, (x,), loss_fn=lambda loss: loss, optimizer_factory=adamw, device="cpu")
+    stats = profile.modules["fill"].op_stats
+    assert stats is not None
+    policy = recompute_all_policy(stats)
+    producer = stats.func_names.index("aten.zeros_like.default")
+    assert policy[producer] == 0
+    # Every write lands on the buffer's storage, so the profile ties it to the buffer's producer.
+    writes = [op for op, parent in stats.inplace_ops if parent == producer]
+    assert writes and producer in stats.mutated_later
+    if backend == "graph":
+        # The graph backend rebuilds the buffer the output layer's backward reads: its producer and every write.
+        assert {producer, *writes} <= set(recomputed_ops(stats, policy, "graph"))
+    decision = ModuleDecision(
+        discard_ratio=1.0, op_policy=policy, recompute_ms=0.0, freed_bytes=0, op_names=list(stats.func_names)
+    )
+    planned = copy.deepcopy(model)
+    handle = apply_plan(planned, Plan(decisions={"fill": decision}, budget_bytes=0), backend=backend)
+    plain_steps, planned_steps = steps(copy.deepcopy(model), x), steps(planned, x)
+    wrapper = handle.wrappers["fill"]
+    assert wrapper.calls == 2 and wrapper.mismatched_calls == 0, wrapper.last_mismatch
+    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(
+        plain_steps, planned_steps, strict=True
+    ):
+        assert torch.equal(loss, plain_loss)
+        assert grads.keys() == plain_grads.keys()
+        for n, g in plain_grads.items():
+            assert torch.equal(grads[n], g), n
+            assert g.abs().sum() > 0, n  # every layer learns: a lost write would zero the output layer's weight
+        for n, b in plain_buffers.items():
+            assert torch.equal(buffers[n], b), n

@@ -84,6 +84,10 @@ class Plan:
             NCCL buffers, cuBLAS workspaces, allocator fragmentation), bytes by
             :class:`~lightning_sac.device_reserve.DeviceReserve` field; empty for the CPU. The predicted peak is
             the tensors' and stays within ``budget_bytes`` minus all of it.
+        routing_layers: Mixture-of-experts experts calls the profile routed on an even split of their ``top_k x
+            tokens`` rows (:mod:`lightning_sac.profiling.moe_routing`); 0 for a model without them.
+        routing_bound_bytes: The most an uneven routing in training can add to ``predicted_peak_bytes`` (every
+            token sent to the experts whose ops the plan keeps); 0 when the plan's memory does not depend on it.
     """
 
     decisions: dict[str, ModuleDecision] = field(default_factory=dict)
@@ -104,6 +108,8 @@ class Plan:
     replaces_checkpointing: list[str] = field(default_factory=list)
     kv_cache_off: bool = False
     reserve: dict[str, int] = field(default_factory=dict)
+    routing_layers: int = 0
+    routing_bound_bytes: int = 0
 
     @property
     def budget_gb(self) -> float:

@@ -130,6 +130,13 @@ def _summary(plan: Plan, unit: ByteUnit) -> list[str]:
         )
     if plan.kv_cache_off:
         lines.append("the plan runs the model without KV caches in training, as it was profiled")
+    if plan.routing_layers:
+        lines.append(
+            f"{plan.routing_layers} mixture-of-experts layer call(s) planned on an even split of their top_k x tokens "
+            "rows; an uneven routing in training adds "
+            + (f"at most {unit(plan.routing_bound_bytes)}" if plan.routing_bound_bytes else "nothing")
+            + " to the peak"
+        )
     if plan.replaces_checkpointing:
         n = len(plan.replaces_checkpointing)
         lines.append(f"the plan replaces the model's own gradient checkpointing ({n} modules)")

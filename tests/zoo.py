@@ -261,6 +261,44 @@ def gpt2_gradient_checkpointing() -> Family:
     return family
 
 
+def _moe_sizes() -> dict[str, Any]:
+    # 4 experts, 2 per token: 512 tokens send 1024 rows through each layer's experts, 256 per expert on the dry
+    # run's even split. Random routers on 512 tokens stay within about 0.6x to 1.4x of that per expert.
+    return {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 128,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+
+
+def mixtral_grouped_mm() -> Family:
+    """A Mixtral mixture of experts with transformers' default experts: one grouped matmul for all experts."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = MixtralConfig(**_moe_sizes(), num_local_experts=4)
+    return Family("mixtral_grouped_mm", MixtralForCausalLM(config).train(), lm_batch(128))
+
+
+def olmoe_eager() -> Family:
+    """An OLMoE mixture of experts with the eager experts: a loop over the experts the routing hits."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = OlmoeConfig(**_moe_sizes(), num_experts=4, experts_implementation="eager")
+    return Family("olmoe_eager", OlmoeForCausalLM(config).train(), lm_batch(128))
+
+
 def wav2vec2_ctc() -> Family:
     """A CTC speech recognizer: its loss's output shape depends on the label lengths (varied here), batch values."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
@@ -298,3 +336,5 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     for f in (gpt2, llama, llama_lora, bert, t5, resnet, lstm, self_checkpointing, gpt2_gradient_checkpointing)
 }
 FAMILIES["wav2vec2_ctc"] = wav2vec2_ctc
+FAMILIES["mixtral_grouped_mm"] = mixtral_grouped_mm
+FAMILIES["olmoe_eager"] = olmoe_eager

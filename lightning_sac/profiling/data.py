@@ -282,6 +282,9 @@ class ModelProfile:
             :mod:`lightning_sac.sharding`), read from the model; ``None`` when it is not sharded.
         data_parallel: The step runs under ``DistributedDataParallel`` (whose gradient buckets exist even with
             one process).
+        routing: Each call of a mixture-of-experts layer's experts module, routed in the dry run on an even split of
+            its ``top_k x tokens`` rows (:mod:`lightning_sac.profiling.moe_routing`): ``module``, ``experts``,
+            ``top_k``, ``tokens``, ``rows_per_expert`` and ``rows_follow_routing``.
     """
 
     device: DeviceSpec
@@ -311,6 +314,7 @@ class ModelProfile:
     placeholders: list[dict[str, Any]] = field(default_factory=list)
     sharded: ShardedLayout | None = None
     data_parallel: bool = False
+    routing: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def plain_peak_bytes(self) -> int:

@@ -215,6 +215,7 @@ def profile_step(
         kv_cache_off=run.caches.switched_off,
         kv_cache_with_tokens=run.caches.holds_tokens,
         placeholders=run.placeholders,
+        routing=run.routing,
         sharded=sharded_layout(model, wrapper),
     )
     if run.caches.switched_off:

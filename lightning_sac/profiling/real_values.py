@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_sac.profiling.meta_fallback import fake_kernel_fallback, meta_kernel_failed
 from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors
 from lightning_sac.profiling.placeholders import Placeholders
 from lightning_sac.profiling.value_shapes import run_on_batch_values
@@ -186,6 +187,12 @@ class RealValuesMode(TorchDispatchMode):
                 raise
             _drop_tracebacks(err)
             return self.placeholders.scalar(func, args[0])
+        except Exception as err:
+            # A fake kernel stricter than the real one (_grouped_mm's meta takes bfloat16 only): meta_fallback.py.
+            if not meta_kernel_failed(func, err):
+                raise
+            _drop_tracebacks(err)
+            return fake_kernel_fallback(func, args, kwargs, err)
 
     @staticmethod
     def _real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -23,6 +23,8 @@ from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.compat import plain_tensor_paths, real_step_answers
 from lightning_sac.profiling.cuda_sdpa import attention_workspace_bytes
 from lightning_sac.profiling.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
+from lightning_sac.profiling.meta_fallback import quiet_meta_failures
+from lightning_sac.profiling.moe_routing import EvenRouting
 from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
 from lightning_sac.profiling.placeholders import Placeholders
 from lightning_sac.profiling.real_values import RealValuesMode, dry_run_inputs
@@ -88,6 +90,7 @@ class RecordedStep:
     replaced: list[str]
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     placeholders: list[dict[str, Any]] = field(default_factory=list)  # where stand-ins were used (placeholders.py)
+    routing: list[dict[str, Any]] = field(default_factory=list)  # experts calls and their split (moe_routing.py)
 
 
 def optimizer_state(
@@ -224,17 +227,21 @@ def record_step(
     def real_in(phase: str) -> None:
         real_values.enabled = phase in ("forward", "backward")
 
-    # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one.
+    routing = EvenRouting(fmodel)  # mixture-of-experts routing on an even split of its rows (moe_routing.py)
+    # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one;
+    # the routing's above it, so that the recorder counts the indices it makes real as the router's.
     # ATen's paths for plain tensors are taken (compat.py: CTC's lengths).
     with (
         flags_off(fmodel, replaced),
         real_step_answers(),
         plain_tensor_paths(),
+        quiet_meta_failures(),  # a failing meta kernel is answered or reported (meta_fallback.py), not logged
         watch,
         switch,
         placeholders,
         mode,
         real_values,
+        routing,
         emulation,
     ):
         optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
@@ -262,6 +269,7 @@ def record_step(
                 real_in(phase)
                 recorder.set_phase(phase)
 
+            routing.calls.clear()  # the recorded step's calls, not the warm-up's
             with recorder:
                 if step.manual is not None:
                     manual_training_step(fmodel, finputs, step.manual, optimizers, on_phase)
@@ -278,4 +286,6 @@ def record_step(
                     )
         finally:
             recorder.close()
-    return RecordedStep(recorder, fmodel, watch, caches, flags, replaced, optimizers, placeholders.sites)
+    return RecordedStep(
+        recorder, fmodel, watch, caches, flags, replaced, optimizers, placeholders.sites, routing=routing.calls
+    )

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.profiling.meta_fallback import grouped_mm_flops
 from lightning_sac.profiling.ops import flat_tensors, is_sac_ignored, is_view_like
 
 __all__ = [
@@ -35,6 +36,8 @@ _EXTRA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[
         aten._scaled_dot_product_flash_attention_backward
     ],
+    # Mixture-of-experts layers (transformers' grouped-mm experts): torch's registry has no formula for it.
+    aten._grouped_mm: grouped_mm_flops,
 }
 
 

@@ -16,6 +16,7 @@ from lightning_sac.device_reserve import device_reserve
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
 from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.profiling.moe_routing import routing_bound_bytes
 from lightning_sac.solver.candidates import (
     Candidate,
     excluded_reason,
@@ -149,6 +150,11 @@ def solve_plan(
             other, _ = _solve(profile, budget_gb, n, *args, m)
             if other.predicted_step_ms < plan.predicted_step_ms:
                 plan = other
+    if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (profiling/moe_routing.py)
+        activation = {c["module"]: profile.modules[c["module"]].activation_bytes for c in profile.routing}
+        policies = {fqn: (d.op_policy, d.freed_bytes) for fqn, d in plan.decisions.items()}
+        plan.routing_layers = len(profile.routing)
+        plan.routing_bound_bytes = routing_bound_bytes(profile.routing, activation, policies)
     plan.solver_seconds = time.perf_counter() - start
     return plan
 

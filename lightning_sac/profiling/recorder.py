@@ -27,6 +27,7 @@ from lightning_sac.errors import ProfilingError, user_source_line
 from lightning_sac.profiling.cuda_allocator import AllocatorConfig, CachingAllocatorModel
 from lightning_sac.profiling.data import TimelineEvent
 from lightning_sac.profiling.memory import LiveMemory, PeakWatch
+from lightning_sac.profiling.meta_fallback import MetaKernelError
 from lightning_sac.profiling.module_hooks import ModuleHooks
 from lightning_sac.profiling.noise import noise_mask
 from lightning_sac.profiling.op_graph import OpGraph, OpRecord
@@ -212,8 +213,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             raise self._unannounced_backward(func)
         try:
             out = func(*args, **kwargs)
+        except MetaKernelError as err:  # a fake kernel that failed, with no fallback (meta_fallback.py)
+            raise err.in_module(self._running_module()) from err.__cause__
         except DATA_DEPENDENT as err:
-            module = self._stack[-1] if self._stack else (self._bwd_open[-1] if self._bwd_open else "")
+            module = self._running_module()
             where = user_source_line()
             is_real = self.is_real or (lambda t: not isinstance(t, FakeTensor))
             raise data_dependent_error(func, args, kwargs, err, is_real, module=module, where=where) from err
@@ -275,6 +278,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             )
             self.graph.append(record, outputs, inputs if held_back else None)
         return out
+
+    def _running_module(self) -> str:
+        """The innermost module whose forward or backward is running (``""``: the root, or none)."""
+        return self._stack[-1] if self._stack else (self._bwd_open[-1] if self._bwd_open else "")
 
     def _unannounced_backward(self, func: Any) -> ProfilingError:
         """The error for a backward pass that runs while the step is in its forward phase.

@@ -331,6 +331,21 @@ def wav2vec2_ctc() -> Family:
     return Family("wav2vec2_ctc", Wav2Vec2ForCTC(config).train(), {"input_values": audio, "labels": labels})
 
 
+def rwkv() -> Family:
+    """A recurrent LM: RWKV's CPU path scans the sequence and fills its output by slice writes,
+    ``output = torch.zeros_like(key)`` then ``output[:, t] = ...`` per token; blocks take ``state=`` by keyword."""
+    from transformers import RwkvConfig, RwkvForCausalLM
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = RwkvConfig(
+        vocab_size=128, context_length=64, hidden_size=64, num_hidden_layers=2, intermediate_size=256, rescale_every=0
+    )
+    batch = lm_batch(128, batch=8, seq=48, pad_from=40)
+    del batch["attention_mask"]  # RWKV has no attention mask; the padded row's labels are ignored
+    return Family("rwkv", RwkvForCausalLM(config).train(), batch)
+
+
 FAMILIES: dict[str, Callable[[], Family]] = {
     f.__name__: f
     for f in (gpt2, llama, llama_lora, bert, t5, resnet, lstm, self_checkpointing, gpt2_gradient_checkpointing)
@@ -338,3 +353,4 @@ FAMILIES: dict[str, Callable[[], Family]] = {
 FAMILIES["wav2vec2_ctc"] = wav2vec2_ctc
 FAMILIES["mixtral_grouped_mm"] = mixtral_grouped_mm
 FAMILIES["olmoe_eager"] = olmoe_eager
+FAMILIES["rwkv"] = rwkv

@@ -100,6 +100,8 @@ class EvenRouting(TorchDispatchMode):
         self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> EvenRouting:
+        if not self._experts:  # no mixture of experts: off the mode stack, so that no op pays for a dispatch here
+            return self
         for m in self._model.modules():
             if id(m) in self._blocks:
                 self._handles.append(m.register_forward_pre_hook(self._enter_block))
@@ -110,6 +112,8 @@ class EvenRouting(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        if not self._experts:
+            return
         super().__exit__(*exc)
         for h in self._handles:
             h.remove()

@@ -165,7 +165,11 @@ class RealValuesMode(TorchDispatchMode):
             return self._real(func, args, kwargs)
         try:
             out = func(*args, **kwargs)  # on fake tensors first: the output's size, without computing it
-        except DATA_DEPENDENT:
+        except Exception as err:
+            # A size the values decide, or a fake kernel stricter than the real one (meta_fallback.py): run it.
+            if not isinstance(err, DATA_DEPENDENT) and not meta_kernel_failed(func, err):
+                raise
+            _drop_tracebacks(err)
             return self._real(func, args, kwargs)
         return out if _nbytes(out) > self.limit_bytes else self._real(func, args, kwargs)
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
     from lightning_sac.plan import ModuleDecision, Plan
     from lightning_sac.profiling import ModelProfile, ModuleOpStats, ModuleProfile, profile_model, render_profile
+    from lightning_sac.profiling.host_reads import host_read_stand_ins
     from lightning_sac.solver import greedy_op_policy, optimal_op_policy, solve_plan
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "apply_plan",
     "get_device_spec",
     "greedy_op_policy",
+    "host_read_stand_ins",
     "known_devices",
     "optimal_op_policy",
     "profile_model",
@@ -58,6 +60,7 @@ _SOURCES = {
     "apply_plan": "lightning_sac.apply",
     "get_device_spec": "lightning_sac.devices",
     "greedy_op_policy": "lightning_sac.solver",
+    "host_read_stand_ins": "lightning_sac.profiling.host_reads",
     "known_devices": "lightning_sac.devices",
     "optimal_op_policy": "lightning_sac.solver",
     "profile_model": "lightning_sac.profiling",

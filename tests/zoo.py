@@ -331,6 +331,46 @@ def wav2vec2_ctc() -> Family:
     return Family("wav2vec2_ctc", Wav2Vec2ForCTC(config).train(), {"input_values": audio, "labels": labels})
 
 
+def detr() -> Family:
+    """A DETR detector: its loss matches predictions to targets with scipy's ``linear_sum_assignment`` on the host.
+
+    Labels are a list of per-image dicts of class labels and boxes (center format), with varied box counts.
+    """
+    from transformers import DetrConfig, DetrForObjectDetection, ResNetConfig
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    backbone = ResNetConfig(
+        num_channels=3,
+        embedding_size=8,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        layer_type="basic",
+        out_features=["stage2"],
+    )
+    config = DetrConfig(
+        use_timm_backbone=False,
+        backbone_config=backbone,
+        use_pretrained_backbone=False,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_queries=16,
+        num_labels=5,
+    )
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(2, 3, 128, 128, generator=g)
+    labels = [
+        {"class_labels": torch.tensor([1, 3, 4]), "boxes": torch.rand(3, 4, generator=g) * 0.5 + 0.25},
+        {"class_labels": torch.tensor([2]), "boxes": torch.rand(1, 4, generator=g) * 0.5 + 0.25},
+    ]
+    return Family("detr", DetrForObjectDetection(config).train(), {"pixel_values": pixels, "labels": labels})
+
+
 def rwkv() -> Family:
     """A recurrent LM: RWKV's CPU path scans the sequence and fills its output by slice writes,
     ``output = torch.zeros_like(key)`` then ``output[:, t] = ...`` per token; blocks take ``state=`` by keyword."""
@@ -353,4 +393,5 @@ FAMILIES: dict[str, Callable[[], Family]] = {
 FAMILIES["wav2vec2_ctc"] = wav2vec2_ctc
 FAMILIES["mixtral_grouped_mm"] = mixtral_grouped_mm
 FAMILIES["olmoe_eager"] = olmoe_eager
+FAMILIES["detr"] = detr
 FAMILIES["rwkv"] = rwkv

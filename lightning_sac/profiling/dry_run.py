@@ -13,7 +13,6 @@ from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.profiling.calibrate import calibrate_modules
 from lightning_sac.profiling.data import ModelProfile
 from lightning_sac.profiling.overhead import measure_backend_overheads
-from lightning_sac.profiling.placeholders import record_checked
 from lightning_sac.profiling.recorded_step import (
     MakeOptimizers,
     StepSpec,
@@ -22,6 +21,7 @@ from lightning_sac.profiling.recorded_step import (
     record_step,
 )
 from lightning_sac.profiling.runtime import make_estimator
+from lightning_sac.profiling.stand_in_check import record_checked
 from lightning_sac.profiling.step import (
     ComputeLoss,
     LossFn,

@@ -29,7 +29,8 @@ naming it.
 
 A placeholder that decides what the step computes (``if (h > 0).any(): h = h * 2``, a length read from a
 weight-derived tensor) would make the profile describe a step that training may not run. So a dry run that used
-scalar placeholders is run again with other ones (:data:`OTHER`: ``2``, ``True``; :func:`record_checked`): when
+scalar placeholders is run again with other ones (:data:`OTHER`: ``2``, ``True``;
+:func:`~lightning_sac.profiling.stand_in_check.record_checked`): when
 the second computes other ops or other sizes, the step depends on values the dry run does not have, and it stops
 with a :class:`~lightning_sac.errors.ProfilingError` naming the place (a boolean read first: that is the
 decision). A second run that raises (``if torch.isnan(loss): raise``, a step skipped on ``True``) stops where
@@ -46,21 +47,18 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_sac.errors import ProfilingError, _machinery
-
-if TYPE_CHECKING:
-    from lightning_sac.profiling.recorded_step import RecordedStep
+from lightning_sac.errors import _machinery
 
 __all__ = [
     "HEALTHY",
@@ -69,7 +67,6 @@ __all__ = [
     "Placeholders",
     "placeholder_message",
     "placeholder_value",
-    "record_checked",
 ]
 
 #: The stand-ins of the dry run: read by a healthy step's logging code without trouble (module docstring).
@@ -114,6 +111,7 @@ class _Choice:
 
     which: str
     scalar_reads: int = 0
+    sites: list[dict[str, Any]] = field(default_factory=list)  # the last run's, kept when it raises
 
 
 _CHOICE: ContextVar[_Choice | None] = ContextVar("lightning_sac_stand_ins", default=None)
@@ -167,6 +165,7 @@ class Placeholders:
         self.model = model
         self._choice = _CHOICE.get() or _Choice(HEALTHY)
         self.sites: list[dict[str, Any]] = []
+        self._choice.sites = self.sites
         self._seen: set[tuple[str, str, str, str]] = set()
         self._saved: list[tuple[nn.Module, str, Any]] = []
         # The modules whose forward is running, innermost last: a read's module. Hooks, not the Python stack:
@@ -204,6 +203,20 @@ class Placeholders:
         self._choice.scalar_reads += 1
         self._record("scalar", str(func), self._running[-1] if self._running else "", repr(value))
         return value
+
+    def stand_in(self, op: str, value: str) -> bool:
+        """Record a stand-in given to a host read by ``op`` (:mod:`~lightning_sac.profiling.host_reads`).
+
+        Returns:
+            Whether this run gives the healthy stand-ins (else the check run's other ones).
+        """
+        self._choice.scalar_reads += 1
+        self._record("array", op, self.where()[0], value)
+        return self._choice.which == HEALTHY
+
+    def where(self) -> tuple[str, str]:
+        """The module running now (``""``: the root) and the model's source line calling into the dry run."""
+        return (self._running[-1] if self._running else ""), _source_line()
 
     def handles(self, func: Any) -> bool:
         """Whether a data-dependent failure of ``func`` on fake tensors gets a stand-in (scalar reads only)."""
@@ -260,8 +273,8 @@ def placeholder_message(sites: list[dict[str, Any]]) -> str:
     lines = [f"  - {s['op']} in {s['module'] or '<root>'!r} at {s['source']} (stand-in: {s['value']})" for s in sites]
     text = (
         f"AutoSAC: the dry run of the training step used stand-ins at {len(sites)} place(s) for values it does not "
-        "have (scalar reads of weight-derived values; torchmetrics metrics, which it does not run):\n"
-        + "\n".join(lines)
+        "have (scalar reads of weight-derived values; arrays read on the host within host_read_stand_ins(); "
+        "torchmetrics metrics, which it does not run):\n" + "\n".join(lines)
     )
     if any(s["kind"] == "metric" for s in sites):
         # Measured: MulticlassAccuracy(num_classes=128) on 512 predictions allocates 0.16 MB in update, and 143 MB
@@ -273,72 +286,11 @@ def placeholder_message(sites: list[dict[str, Any]]) -> str:
             "for 512 predictions of 128 classes): leave that headroom in the budget, or update such metrics "
             "outside training_step (e.g. in on_train_batch_end)."
         )
-    if any(s["kind"] == "scalar" for s in sites):
+    if any(s["kind"] in ("scalar", "array") for s in sites):
         text += (
-            "\nA second dry run with other answers (2, True) computed the same step, so these reads decided "
-            "nothing there; a decision at another threshold (`if loss.item() > 5`) cannot be seen that way. If one "
-            "of them decides what the step computes, the plan is for another step than the one training runs: "
-            "make that decision from the batch, or check the plan with AutoSAC(measure=True)."
+            "\nA second dry run with other answers (2, True, arrays 0, 1, 2, ...) computed the same step, so these "
+            "reads decided nothing there; a decision at another threshold (`if loss.item() > 5`) cannot be seen that "
+            "way. If one of them decides what the step computes, the plan is for another step than the one training "
+            "runs: make that decision from the batch, or check the plan with AutoSAC(measure=True)."
         )
     return text
-
-
-def record_checked(record: Callable[[], RecordedStep]) -> RecordedStep:
-    """Run ``record`` (one recorded dry run); when it gave scalar reads stand-ins, check they decided nothing.
-
-    See the module docstring: a second run with :data:`OTHER` stand-ins must compute the same forward ops, of
-    the same sizes, in the same module order.
-
-    Raises:
-        ProfilingError: The step computes something else when a stand-in changes.
-    """
-    try:
-        with _stand_ins(HEALTHY) as healthy:
-            first = record()
-    except Exception as err:
-        if not healthy.scalar_reads:
-            raise
-        # The healthy answer raised (``if not torch.isfinite(loss): raise``): the other one is the step to plan.
-        try:
-            with _stand_ins(OTHER):
-                return record()
-        except Exception:
-            raise err from None
-    if not healthy.scalar_reads:
-        return first
-    try:
-        with _stand_ins(OTHER):
-            second = record()
-    except Exception:
-        return first  # the other answer stops the step, as it would stop training: nothing else to plan for
-    a, b = _computed(first), _computed(second)
-    if a != b:
-        raise _decision_error(first, a, b)
-    return first
-
-
-def _computed(run: RecordedStep) -> list[tuple[str, int] | str]:
-    """What a recorded run computed in its forward: each op and the bytes it allocated, then the module order."""
-    ops: list[tuple[str, int] | str] = [(op.name, op.new_bytes) for op in run.recorder.graph.ops]
-    return ops + ["modules:", *run.recorder.orders["fwd_pre"]]
-
-
-def _decision_error(run: RecordedStep, a: list[Any], b: list[Any]) -> ProfilingError:
-    scalars = [s for s in run.placeholders if s["kind"] == "scalar"]
-    # A boolean read is a decision by nature (``if t:``); a number is mostly logged.
-    site = next((s for s in scalars if s["value"] in ("False", "True")), scalars[0])
-    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    first, second = (a[at] if at < len(a) else "the end"), (b[at] if at < len(b) else "the end")
-    where = "; ".join(f"{s['source']} (got {s['value']})" for s in scalars)
-    return ProfilingError(
-        f"Module {site['module'] or '<root>'!r} calls {site['op']} at {site['source']}, a read of a value derived "
-        "from the weights, which the dry run does not have, and the training step computes something else when "
-        f"that value changes. The dry run answered the scalar reads at {where}; with other answers (2, True) the "
-        f"step's forward differs from op {at} on ({first} against {second}), so a plan would be for another step "
-        "than the one training runs. Decide from the batch's values (the dry run has those) or move the decision "
-        "out of the training step; with AutoSAC, example_batch= plans for another batch and strict=False trains "
-        "without a plan. The model was not changed.",
-        op=site["op"],
-        module=site["module"],
-        source=site["source"],
-    )

@@ -23,6 +23,7 @@ from lightning_sac.devices import DeviceSpec
 from lightning_sac.profiling.compat import plain_tensor_paths, real_step_answers
 from lightning_sac.profiling.cuda_sdpa import attention_workspace_bytes
 from lightning_sac.profiling.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
+from lightning_sac.profiling.host_reads import HostArrays
 from lightning_sac.profiling.meta_fallback import quiet_meta_failures
 from lightning_sac.profiling.moe_routing import EvenRouting
 from lightning_sac.profiling.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
@@ -230,15 +231,15 @@ def record_step(
     routing = EvenRouting(fmodel)  # mixture-of-experts routing on an even split of its rows (moe_routing.py)
     # The real values' mode sits above the fake mode, so that what it does not run for real reaches the fake one;
     # the routing's above it, so that the recorder counts the indices it makes real as the router's.
-    # ATen's paths for plain tensors are taken (compat.py: CTC's lengths).
     with (
         flags_off(fmodel, replaced),
         real_step_answers(),
-        plain_tensor_paths(),
+        plain_tensor_paths(),  # CTC's lengths as ATen reads them from plain tensors (compat.py)
         quiet_meta_failures(),  # a failing meta kernel is answered or reported (meta_fallback.py), not logged
         watch,
         switch,
         placeholders,
+        HostArrays(placeholders),  # .numpy() of a weight-derived value: named, or a stand-in (host_reads.py)
         mode,
         real_values,
         routing,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,15 @@ from test_real_models import reference, two_steps
 from torch import nn
 from zoo import FAMILIES, Family
 
-from lightning_sac import ModelProfile, ProfilingError, apply_plan, host_read_stand_ins, profile_model, solve_plan
+from lightning_sac import (
+    AutoSAC,
+    ModelProfile,
+    ProfilingError,
+    apply_plan,
+    host_read_stand_ins,
+    profile_model,
+    solve_plan,
+)
 from lightning_sac.measure import measure_training_step
 
 GIB = 2**30
@@ -257,3 +266,66 @@ def test_a_detector_planned_with_stand_in_arrays_trains_as_the_plain_model(detr_
         measured = measure_training_step(planned, family.batch, optimizer_factory=family.optimizer).peak_bytes
     assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
     assert measured <= plain_peak, (measured, plain_peak)
+
+
+class MatchedLightning(pl.LightningModule):
+    """A LightningModule whose loss pairs its predicted boxes with the targets by scipy on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)))
+        self.boxes = nn.Linear(64, 4)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        from scipy.optimize import linear_sum_assignment
+
+        x, targets = batch
+        pred = self.boxes(self.body(x)).sigmoid()[0]  # (queries, 4) of the first image
+        rows, cols = linear_sum_assignment(torch.cdist(pred.detach(), targets[0], p=1).numpy())
+        loss = F.l1_loss(pred[torch.as_tensor(rows)], targets[0][torch.as_tensor(cols)])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(4, 256, 64, generator=g), torch.rand(4, 5, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=1)
+
+
+def _fit(callback: AutoSAC, tmp_path) -> MatchedLightning:
+    pl.seed_everything(0)
+    module = MatchedLightning()
+    trainer = pl.Trainer(
+        callbacks=[callback],
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module)
+    return module
+
+
+def test_autosac_names_the_host_read_and_plans_the_fit_within_host_read_stand_ins(tmp_path):
+    with pytest.raises(ProfilingError, match=r"\.numpy\(\).*from the weights") as info:
+        _fit(AutoSAC(budget_gb=1.0, measure=False, log_figures=False), tmp_path)
+    assert info.value.source is not None and "linear_sum_assignment" in info.value.source
+    plain = _fit(AutoSAC(budget_gb=1.0, measure=False, log_figures=False, strict=False), tmp_path)
+    callback = AutoSAC(budget_fraction=1.0, measure=False, log_figures=False)
+    with host_read_stand_ins():
+        probe = _fit(callback, tmp_path)
+    assert callback.profile is not None
+    assert [s["kind"] for s in callback.profile.placeholders if s["op"] == "Tensor.numpy"] == ["array"]
+    planned = AutoSAC(budget_gb=0.8 * callback.profile.peak_bytes / 2**30, measure=False, log_figures=False)
+    with host_read_stand_ins():
+        module = _fit(planned, tmp_path)
+    assert planned.plan is not None and planned.plan.decisions
+    assert module.losses == pytest.approx(plain.losses) and len(probe.losses) == 2

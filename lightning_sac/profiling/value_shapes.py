@@ -48,6 +48,10 @@ SHAPE_ARGUMENTS: dict[Any, tuple[str, ...]] = {
 }
 
 
+# Indexing whose size a boolean index decides (real_values.py runs it with the indices of a real mask).
+_INDEXING = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
+
+
 def named_arguments(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The call's arguments by their schema names (positional ones first, then keywords)."""
     names = [a.name for a in func._schema.arguments]
@@ -173,7 +177,7 @@ def data_dependent_error(
         where: The model's source line that called it.
     """
     weights, batch = blocking_inputs(func, args, kwargs, is_real)
-    deciding = list(SHAPE_ARGUMENTS.get(func, ("indices",) if func is aten.index.Tensor else ()))
+    deciding = list(SHAPE_ARGUMENTS.get(func, ("indices",) if func in _INDEXING else ()))
     head = f"Module {module or '<root>'!r} calls {func} at {where}"
     tail = (
         " With AutoSAC, example_batch= plans for another batch, candidates= can leave the module out and "

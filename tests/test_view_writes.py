@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_sac import ModuleDecision, Plan, profile_model
 from lightning_sac.apply import apply_plan
+from lightning_sac.apply.graph_ac import save_recompute_policy
 from lightning_sac.apply.recompute import recomputed_ops
 
 D = 8
@@ -151,3 +152,33 @@ def test_recomputing_the_buffer_replays_every_write(pattern, backend):
             assert g.abs().sum() > 0, n  # every layer learns: a lost write would zero the output layer's weight
         for n, b in plain_buffers.items():
             assert torch.equal(buffers[n], b), n
+
+
+def test_a_long_scan_replays_its_writes_in_place_without_recursion(monkeypatch):
+    """3000 steps, each a slice write that depends on the last: deeper than Python's recursion limit, and replayed
+    into the recompute's own buffer, with no copy of it."""
+    copies = []
+    clone = torch.UntypedStorage.clone
+    monkeypatch.setattr(torch.UntypedStorage, "clone", lambda self, *a, **k: copies.append(1) or clone(self, *a, **k))
+    steps_ = 3000
+    torch.manual_seed(0)
+    x = torch.randn(2, steps_, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def scan(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros_like(x)
+        h = torch.zeros(2, 4)
+        for t in range(steps_):
+            h = torch.tanh(h * 0.5 + x[:, t])
+            buf[:, t] = h
+        return (buf @ w).sum()
+
+    with save_recompute_policy("recompute_all"):
+        loss = scan(x, w)
+    loss.backward()
+    grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    plain = scan(x, w)
+    plain.backward()
+    assert torch.equal(loss, plain) and torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
+    assert not copies

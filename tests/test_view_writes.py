@@ -182,3 +182,60 @@ def test_a_long_scan_replays_its_writes_in_place_without_recursion(monkeypatch):
     plain.backward()
     assert torch.equal(loss, plain) and torch.equal(grads[0], x.grad) and torch.equal(grads[1], w.grad)
     assert not copies
+
+
+class WriteInput(nn.Module):
+    """Writes into its input through a view, then an op saves the input: the write must be kept, not replayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, 0] = self.lin(x[:, 1].clone()).tanh()
+        return (x * self.scale).sigmoid()
+
+
+class InputModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(D, D)
+        self.write = WriteInput()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.write(self.pre(x)).square().mean()
+
+
+@pytest.mark.parametrize("backend", ["sac", "graph"])
+def test_a_write_into_the_modules_input_through_a_view_is_kept(backend):
+    torch.manual_seed(0)
+    model, x = InputModel(), torch.randn(4, 5, D)
+    profile = profile_model(model, (x,), loss_fn=lambda loss: loss, optimizer_factory=adamw, device="cpu")
+    stats = profile.modules["write"].op_stats
+    assert stats is not None
+    write = stats.func_names.index("aten.copy_.default")
+    clone = stats.func_names.index("aten.clone.default")
+    assert (write, write) in stats.inplace_ops  # its storage came from outside the module
+    # The clone read the input before the write: only the kept write can stand for what it saw, so it is kept too.
+    assert (clone, write) in stats.reads_before_overwrite
+    policy = recompute_all_policy(stats)
+    assert policy[write] == policy[clone] == 1
+    decision = ModuleDecision(
+        discard_ratio=1.0, op_policy=policy, recompute_ms=0.0, freed_bytes=0, op_names=list(stats.func_names)
+    )
+    planned = copy.deepcopy(model)
+    handle = apply_plan(planned, Plan(decisions={"write": decision}, budget_bytes=0), backend=backend)
+    plain_steps = steps(copy.deepcopy(model), x)
+    if backend == "sac":
+        # torch.utils.checkpoint reruns the forward on its input as it is now, written: autograd's version check
+        # stops the backward (loudly, never a wrong gradient).
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            steps(planned, x)
+        return
+    planned_steps = steps(planned, x)
+    assert handle.wrappers["write"].mismatched_calls == 0
+    for (plain_loss, plain_grads, _), (loss, grads, _) in zip(plain_steps, planned_steps, strict=True):
+        assert torch.equal(loss, plain_loss)
+        for n, g in plain_grads.items():
+            assert torch.equal(grads[n], g), n

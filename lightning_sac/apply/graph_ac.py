@@ -34,7 +34,7 @@ from lightning_sac.apply.graph_policy import (
     PolicyFn,
     compose_policies,
 )
-from lightning_sac.apply.graph_writes import Versions, writable_copies, written_storages
+from lightning_sac.apply.graph_writes import Versions, from_outside, writable_copies, written_storages
 from lightning_sac.apply.planned import CallState, PlannedForward
 from lightning_sac.profiling.ops import is_random, is_sac_ignored, mutated_tensors
 
@@ -94,7 +94,7 @@ class _Graph:
         # An op writing to a tensor from outside the region (BatchNorm's running stats) must not run twice.
         if mutates:
             refs = leaves((node.args, node.kwargs))
-            node.recomputable = not any(isinstance(refs[i], Leaf) for i in mutates)
+            node.recomputable = not any(from_outside(refs[i]) for i in mutates)
         produced = outputs + versions
         if decision in SAVE_DECISIONS or not node.recomputable:
             node.saved = [None if o is None else o.detach() for o in produced]

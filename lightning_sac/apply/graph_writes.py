@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from lightning_sac.apply.graph_nodes import Leaf, Node, Ref
+from lightning_sac.apply.graph_nodes import Leaf, Node, Ref, leaves
+from lightning_sac.profiling.ops import is_view_like
 
-__all__ = ["StorageView", "Versions", "writable_copies", "written_storages"]
+__all__ = ["StorageView", "Versions", "from_outside", "writable_copies", "written_storages"]
 
 
 class StorageView:
@@ -133,16 +134,31 @@ def writable_copies(flat: list[Any], written: list[int]) -> dict[int, torch.Tens
     return copies
 
 
+def from_outside(ref: Any) -> bool:
+    """Whether a written argument's storage comes from outside the region.
+
+    A leaf; a view (a chain of views) the region took of one (``x[:, 0] = y`` on the module's input); or the
+    output of an op that already wrote outside (``x.mul_(2)``), which is saved and never rerun.
+    """
+    while isinstance(ref, Ref):
+        if not ref.node.recomputable:
+            return True
+        if not is_view_like(ref.node.func):
+            return False
+        ref = leaves((ref.node.args, ref.node.kwargs))[0]  # a view op's first argument is the tensor it views
+    return isinstance(ref, Leaf)
+
+
 def written_storages(flat_args: list[Any], mutates: list[int], refs: list[Any]) -> list[torch.Tensor]:
     """One written argument per storage an op writes inside the region, in order.
 
-    Not those from outside the region (``refs[i]`` a :class:`Leaf`): such an op is saved and never rerun.
+    Not those from outside the region (:func:`from_outside`): such an op is saved and never rerun.
     """
     seen: set[int] = set()
     written = []
     for i in mutates:
         storage = flat_args[i].untyped_storage()
-        if id(storage) not in seen and not isinstance(refs[i], Leaf):
+        if id(storage) not in seen and not from_outside(refs[i]):
             seen.add(id(storage))
             written.append(flat_args[i])
     return written

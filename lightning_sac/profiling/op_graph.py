@@ -202,8 +202,14 @@ class OpGraph:
             # It reads a tensor that a later op overwrites: a recompute must see the value before that write. (A
             # view sees the write in forward too: it aliases the storage.)
             for j in [] if op.view_like else stats.op_inputs[i]:
-                if any(last_write.get(r, -1) > i for r in ops[j].storage_roots if r >= 0):
+                if any(last_write.get(r, -1) > i for r in ops[j].storage_roots if start <= r):
                     stats.reads_before_overwrite.append((i, j))
+            # A storage from before the module (its input, written through a view): only the write, which is
+            # always kept, can stand for the value the read saw, so the reader is kept with it.
+            makers = [] if op.view_like else [self._ops[g] for g in op.inputs]
+            for w in sorted({last_write.get(r, -1) for m in makers for r in m.storage_roots if 0 <= r < start}):
+                if w > i:
+                    stats.reads_before_overwrite.append((i, w))
         packs = self.packs[pack_range[0] : pack_range[1]]
         stats.packed_ops = sorted({j for _, made, _ in packs for j in map(local, made) if j is not None})
         stats.recompute_stop = min(max((count - start for count, _, _ in packs), default=0), len(ops))

@@ -1,7 +1,19 @@
-"""Shared test models: a small GPT with dropout, an MLP and a conv net, each with inputs and a loss."""
+"""Shared test models: a small GPT with dropout, an MLP and a conv net, each with inputs and a loss.
+
+Two tiers. ``python -m pytest -q`` runs the quick tier (pyproject's ``addopts`` deselects ``slow``): every
+module's behaviour on small models, in at most 5 minutes on 2 cores. ``python -m pytest -q -m slow`` runs the
+matrix tier; ``.ci/run`` runs both. A new test is quick unless it needs more than one process (world size 2 or
+4, a fresh interpreter, the installed entry point), the inductor compile, or a real-model fit of more than about
+10 s here that a quick test of the same behaviour already covers: then mark it ``@pytest.mark.slow``. Before
+marking, make it cheaper: a session- or module-scoped fixture for a profile that tests only read, shapes no
+larger than the assertion needs, in-process calls rather than subprocesses, no sleeps. No test asserts a timing
+ratio: calibration and benchmark figures are checked for what was measured and how, and their quality is
+printed by ``benchmarks/``.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sac import ModuleOpStats
+from lightning_sac import ModelProfile, ModuleOpStats, profile_model
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
 from lightning_sac.tradeoff import module_tradeoff
 
@@ -63,6 +75,19 @@ def case(request: pytest.FixtureRequest) -> Case:
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+@functools.cache
+def _gpt_profile_json(device: str) -> str:
+    case = gpt_case()
+    return profile_model(
+        case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device=device
+    ).to_json()
+
+
+def gpt_profile(device: str = "cpu") -> ModelProfile:
+    """The test GPT's profile with AdamW for ``device``: profiled once per session, a fresh copy for each caller."""
+    return ModelProfile.from_json(_gpt_profile_json(device))
 
 
 def recompute_all_policy(stats: ModuleOpStats) -> list[int]:

@@ -84,7 +84,10 @@ def tight_budget_gb() -> float:
     return (lo + 0.4 * (hi - lo)) / GIB
 
 
-@pytest.mark.parametrize(("strategy", "world_size"), [("auto", 1), ("ddp_spawn", 2)])
+@pytest.mark.parametrize(
+    ("strategy", "world_size"),
+    [("auto", 1), pytest.param("ddp_spawn", 2, marks=pytest.mark.slow)],  # 2 processes
+)
 def test_fit_matches_plain_fit_and_every_rank_applies_the_same_plan(tmp_path, strategy, world_size):
     budget = tight_budget_gb()
     runs = {}

@@ -123,9 +123,11 @@ def fit(name: str, tmp_path: Path, callbacks: list[Any], precision: str) -> tupl
 @pytest.mark.parametrize(
     ("name", "precision"),
     [
-        ("gpt2", "bf16-mixed"),
+        # GPT-2's own bf16 cell is in the matrix tier: llama's covers the fit's mixed precision here.
+        pytest.param("gpt2", "bf16-mixed", marks=pytest.mark.slow),
         ("llama", "bf16-mixed"),
-        ("llama", "16-mixed"),
+        # The same fit as bf16-mixed once Lightning switched (which the assertion below checks): the matrix tier.
+        pytest.param("llama", "16-mixed", marks=pytest.mark.slow),
         # bf16 matmuls are slow on CPUs without bf16 units: about 40 s. Without the CPU's operand conversions in
         # the dry run, this plan measured 2.9% over its budget.
         pytest.param("residual_mlp", "bf16-mixed", marks=pytest.mark.slow),

@@ -7,13 +7,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-from conftest import adamw, gpt_case
+from conftest import gpt_profile
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_callback import CONFIG, module, tight_budget_gb  # noqa: F401 - shared test model
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_sac import AutoSAC, profile_model, solve_plan
+from lightning_sac import AutoSAC, solve_plan
 from lightning_sac.cli import main
 from lightning_sac.measure import peak_from_events
 from lightning_sac.report import TAG, log_plan
@@ -34,8 +34,7 @@ def scalar(acc: EventAccumulator, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def planned():  # noqa: ANN201
-    case = gpt_case()
-    profile = profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="cpu")
+    profile = gpt_profile()
     return profile, solve_plan(profile, profile.peak_bytes * 0.7 / GIB)
 
 

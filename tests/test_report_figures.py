@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import adamw, gpt_case
+from conftest import gpt_profile
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_sac import profile_model, solve_plan
+from lightning_sac import solve_plan
 from lightning_sac.measure import memory_timeline
 from lightning_sac.plan_render import plan_unit
 from lightning_sac.report import TAG, log_measured
@@ -34,8 +34,7 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def profile():  # noqa: ANN201
-    case = gpt_case()
-    return profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="cpu")
+    return gpt_profile()
 
 
 def plain_peak(profile, world: int, sharding: str) -> int:  # noqa: ANN001

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import adamw, gpt_case
+from conftest import gpt_profile as shared_gpt_profile
 
-from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, profile_model, solve_plan
+from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, solve_plan
 from lightning_sac.device_reserve import DeviceReserve, device_reserve
 from lightning_sac.devices import get_device_spec
 from lightning_sac.profiling.data import TimelineEvent, empty_snapshot
@@ -235,8 +235,7 @@ def test_bad_arguments():
 
 @pytest.fixture(scope="module")
 def gpt_profile() -> ModelProfile:
-    case = gpt_case()
-    return profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device="cpu")
+    return shared_gpt_profile()
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.75, 0.66])

@@ -14,9 +14,9 @@ from typing import Any
 import highspy
 import numpy as np
 import pytest
-from conftest import adamw, gpt_case
+from conftest import gpt_profile
 
-from lightning_sac import ModelProfile, ModuleOpStats, profile_model
+from lightning_sac import ModelProfile, ModuleOpStats
 from lightning_sac.apply.recompute import recompute_costs, recompute_transient
 from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
 from lightning_sac.sharding.memory import ShardedStep
@@ -37,8 +37,7 @@ from lightning_sac.tradeoff import effective_memory, module_tradeoff
 
 @pytest.fixture(scope="module", params=["cpu", "H100-SXM"])
 def profile(request: pytest.FixtureRequest) -> ModelProfile:
-    case = gpt_case()
-    return profile_model(case.model, case.inputs, loss_fn=case.loss_fn, optimizer_factory=adamw, device=request.param)
+    return gpt_profile(request.param)
 
 
 def with_block_units(profile: ModelProfile) -> ModelProfile:

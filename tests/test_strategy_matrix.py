@@ -4,8 +4,8 @@ Each cell fits plain, then with AutoSAC at 80% of the cell's own measured plain 
 ranks and batches), on a tiny Hugging Face Llama (see ``sharded_fits``). Accept: a non-empty plan, identical on
 every rank (fingerprint and per-op decisions); losses equal the plain fit's; every rank's measured planned batch
 peaks within the budget + 2%, and AutoSAC's predicted peak within 5% of the rank's measured one. Multi-process
-cells (world size 2 and 4: 2 or 4 processes on this 2-core machine, 30 to 70 s each) are marked slow; they run in
-CI.
+cells (world size 2 and 4: 2 or 4 processes on this 2-core machine, 30 to 70 s each) and the one-rank cells in
+bf16-mixed are marked slow: the matrix tier, which CI runs.
 """
 
 from __future__ import annotations
@@ -21,21 +21,32 @@ PRECISIONS = ("32-true", "bf16-mixed")
 
 
 @functools.cache
-def _group(world_size: int) -> dict[tuple[str, str], list[CellResult]]:
-    # One set of processes per world size runs every strategy and precision of it (see run_cells).
+def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str], list[CellResult]]:
+    # One set of processes per world size runs every strategy of it, in the given precisions (see run_cells).
     strategies = ("single", "ddp", "fsdp2", "fsdp1") if world_size == 1 else ("ddp", "fsdp2", "fsdp1")
-    return run_cells(strategies, world_size, PRECISIONS, Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_")))
+    out = Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_"))
+    return run_cells(strategies, world_size, precisions, out)
+
+
+def _slow(world_size: int, precision: str) -> bool:
+    """The quick tier holds one process's cells in full precision; the matrix tier, the rest."""
+    return world_size > 1 or precision != "32-true"
 
 
 def _cells() -> list:
     cells = [("single", 1)] + [(s, w) for s in ("ddp", "fsdp2", "fsdp1") for w in (1, 2, 4)]
-    slow = [pytest.mark.slow]
-    return [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=slow * (w > 1)) for s, w in cells for p in PRECISIONS]
+    return [
+        pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=[pytest.mark.slow] * _slow(w, p))
+        for s, w in cells
+        for p in PRECISIONS
+    ]
 
 
 @pytest.mark.parametrize(("strategy", "world_size", "precision"), _cells())
 def test_autosac_holds_in_the_cell(strategy: str, world_size: int, precision: str) -> None:
-    ranks = _group(world_size)[strategy, precision]
+    # A world size's cells of one tier share their processes; the one-rank cells of each tier run apart.
+    precisions = (precision,) if world_size == 1 else PRECISIONS
+    ranks = _group(world_size, precisions)[strategy, precision]
     assert len(ranks) == world_size
     first = ranks[0]
     assert first.decisions, "the budget at 80% of the plain peak needs a plan"

@@ -108,6 +108,7 @@ def test_fit_matches_plain_fit_and_every_rank_applies_the_same_plan(tmp_path, st
         assert auto["losses"] == pytest.approx(plain["losses"], rel=1e-5)
 
 
+@pytest.mark.slow  # two fits; what calibration measures, and that the model is untouched: test_calibrate's quick tests
 def test_benchmark_estimate_measures_the_modules_without_moving_the_fit(tmp_path):
     # Profiling for this CPU runs copies of the blocks for real (dropout, synthetic inputs): the fit must see
     # the same random stream, data and losses as a plain one.
@@ -169,6 +170,7 @@ def test_a_budget_larger_than_needed_wraps_nothing(tmp_path):
     assert cb.plan is not None and cb.plan.decisions == {} and record.wrapped == []
 
 
+@pytest.mark.slow  # a bf16 fit: test_loop_precision's llama cell is the quick one
 def test_bf16_mixed_plans_with_bf16_activations(tmp_path, monkeypatch):
     profiles = []
     real = fit_step_module.profile_step

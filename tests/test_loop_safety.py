@@ -127,6 +127,7 @@ def test_a_measurement_that_fails_is_a_warning_and_training_goes_on(
     assert cb.measured is None and len(module.losses) == 4
 
 
+@pytest.mark.slow  # two more fits: the measurement is the quick test above; accumulation, test_loop_accumulation
 def test_own_measurement_of_an_accumulation_cycle_agrees_with_an_independent_one(
     tmp_path: Path, plain_peak: int
 ) -> None:

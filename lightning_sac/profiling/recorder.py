@@ -155,6 +155,9 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             h.remove()
         self._handles.clear()
         self.memory.close()
+        # The real values' mode (behind is_real) keeps the dry run's real batch tensors reachable: a closed
+        # recorder, kept with its RecordedStep, must not hold them into training (they count in the real step).
+        self.is_real = None
 
     # ----------------------------------------------------------------- memory helpers
     def _track(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> int:

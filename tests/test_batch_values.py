@@ -34,6 +34,7 @@ from lightning_sac.measure import measure_training_step
 GIB = 2**30
 
 
+@pytest.mark.slow  # a long real-model cell: the matrix tier (the mechanism's unit tests are quick)
 def test_ctc_model_plain_prediction_matches_a_real_step():
     ref = reference("wav2vec2_ctc")
     predicted = ref.profile.plain_peak_bytes
@@ -232,6 +233,7 @@ def detr_reference() -> tuple[Family, ModelProfile, int, list]:
     return _detr_reference()
 
 
+@pytest.mark.slow  # a long real-model cell: the matrix tier (the mechanism's unit tests are quick)
 def test_with_stand_in_arrays_the_detector_profile_matches_a_real_step(detr_reference):
     _, profile, plain_peak, _ = detr_reference
     assert [s["op"] for s in profile.placeholders if s["kind"] == "array"] == ["Tensor.numpy"]

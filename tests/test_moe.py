@@ -42,6 +42,7 @@ def routed_rows(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[list[i
     return counts
 
 
+@pytest.mark.slow  # a long real-model cell: the matrix tier (the mechanism's unit tests are quick)
 @pytest.mark.parametrize("name", list(MOE))
 def test_the_plain_prediction_of_a_mixture_of_experts_matches_a_real_step(name):
     ref = reference(name)

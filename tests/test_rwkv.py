@@ -24,6 +24,7 @@ GIB = 2**30
 BUFFER = "aten.zeros_like.default"
 
 
+@pytest.mark.slow  # a long real-model cell: the matrix tier (the mechanism's unit tests are quick)
 def test_the_plain_prediction_matches_a_real_step():
     ref = reference("rwkv")
     predicted = ref.profile.plain_peak_bytes

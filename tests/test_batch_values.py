@@ -10,21 +10,18 @@ trains as the plain model (profiling/host_reads.py).
 from __future__ import annotations
 
 import copy
-import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from test_real_models import reference, two_steps
+from test_real_models import Reference, measured_planned_peak, reference, train_planned, two_steps
 from torch import nn
-from zoo import FAMILIES, Family
+from zoo import FAMILIES
 
 from lightning_sac import (
     AutoSAC,
-    ModelProfile,
     ProfilingError,
-    apply_plan,
     host_read_stand_ins,
     profile_model,
     solve_plan,
@@ -47,28 +44,8 @@ def test_ctc_model_plan_at_80_percent_holds_and_trains_as_the_plain_model(backen
     ref = reference("wav2vec2_ctc")
     plan = solve_plan(ref.profile, 0.8 * ref.profile.peak_bytes / GIB, backend=backend)
     assert plan.decisions
-    model = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lightning-sac")  # no mismatch, no unplanned call
-        handle = apply_plan(model, plan)
-        steps = two_steps(model, ref.family)
-    assert all(w.mismatched_calls == 0 for w in handle.wrappers.values())
-    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(ref.steps, steps, strict=True):
-        torch.testing.assert_close(loss, plain_loss)
-        assert grads.keys() == plain_grads.keys()
-        for n in plain_grads:
-            torch.testing.assert_close(grads[n], plain_grads[n], msg=n)
-        assert buffers.keys() == plain_buffers.keys()
-        for n in plain_buffers:
-            torch.testing.assert_close(buffers[n], plain_buffers[n], msg=n)
-    handle.remove()
-    planned = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(planned, plan)
-        measured = measure_training_step(
-            planned, ref.family.batch, loss_fn=ref.family.loss_fn, optimizer_factory=ref.family.optimizer
-        ).peak_bytes
+    train_planned(ref, plan)
+    measured = measured_planned_peak(ref, plan)
     assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
     assert measured <= ref.plain_peak, (measured, ref.plain_peak)
 
@@ -220,22 +197,22 @@ def test_a_numpy_read_without_stand_ins_before_it_is_named():
     assert abs(profile.peak_bytes - measured.peak_bytes) <= 0.02 * measured.peak_bytes, (profile, measured)
 
 
-def _detr_reference() -> tuple[Family, ModelProfile, int, list]:
+def _detr_reference() -> Reference:
     family = FAMILIES["detr"]()
     with host_read_stand_ins():
         profile = profile_model(family.model, family.batch, optimizer_factory=family.optimizer, device="cpu")
     measured = measure_training_step(copy.deepcopy(family.model), family.batch, optimizer_factory=family.optimizer)
-    return family, profile, measured.peak_bytes, two_steps(copy.deepcopy(family.model), family)
+    return Reference(family, profile, measured.peak_bytes, two_steps(copy.deepcopy(family.model), family))
 
 
 @pytest.fixture(scope="module")
-def detr_reference() -> tuple[Family, ModelProfile, int, list]:
+def detr_reference() -> Reference:
     return _detr_reference()
 
 
 @pytest.mark.slow  # a long real-model cell: the matrix tier (the mechanism's unit tests are quick)
 def test_with_stand_in_arrays_the_detector_profile_matches_a_real_step(detr_reference):
-    _, profile, plain_peak, _ = detr_reference
+    profile, plain_peak = detr_reference.profile, detr_reference.plain_peak
     assert [s["op"] for s in profile.placeholders if s["kind"] == "array"] == ["Tensor.numpy"]
     # The stand-in assignment pairs as many rows as the real one: the step holds what the real step holds.
     assert abs(profile.plain_peak_bytes - plain_peak) <= 0.02 * plain_peak, (profile.plain_peak_bytes, plain_peak)
@@ -244,30 +221,13 @@ def test_with_stand_in_arrays_the_detector_profile_matches_a_real_step(detr_refe
 @pytest.mark.slow  # a cell of the real-model matrix, as in test_real_models.py
 @pytest.mark.parametrize("backend", ["sac", "graph"])
 def test_a_detector_planned_with_stand_in_arrays_trains_as_the_plain_model(detr_reference, backend):
-    family, profile, plain_peak, plain_steps = detr_reference
-    plan = solve_plan(profile, 0.8 * profile.peak_bytes / GIB, backend=backend)
+    ref = detr_reference
+    plan = solve_plan(ref.profile, 0.8 * ref.profile.peak_bytes / GIB, backend=backend)
     assert plan.decisions
-    model = copy.deepcopy(family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lightning-sac")
-        handle = apply_plan(model, plan)
-        steps = two_steps(model, family)
-    assert all(w.mismatched_calls == 0 for w in handle.wrappers.values())
-    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(plain_steps, steps, strict=True):
-        torch.testing.assert_close(loss, plain_loss)
-        assert grads.keys() == plain_grads.keys()
-        for n in plain_grads:
-            torch.testing.assert_close(grads[n], plain_grads[n], msg=n)
-        for n in plain_buffers:
-            torch.testing.assert_close(buffers[n], plain_buffers[n], msg=n)
-    handle.remove()
-    planned = copy.deepcopy(family.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(planned, plan)
-        measured = measure_training_step(planned, family.batch, optimizer_factory=family.optimizer).peak_bytes
+    train_planned(ref, plan)
+    measured = measured_planned_peak(ref, plan)
     assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
-    assert measured <= plain_peak, (measured, plain_peak)
+    assert measured <= ref.plain_peak, (measured, ref.plain_peak)
 
 
 class MatchedLightning(pl.LightningModule):

@@ -132,7 +132,8 @@ def test_benchmark_estimate_measures_the_modules_without_moving_the_fit(tmp_path
 
 def test_resume_restores_the_plan_without_profiling(tmp_path, monkeypatch):
     budget = tight_budget_gb()
-    first = AutoSAC(budget_gb=budget)
+    # measure=False, log_figures=False: what a resume restores is the plan; the measured step is test_report's.
+    first = AutoSAC(budget_gb=budget, measure=False, log_figures=False)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     trainer([first, ckpt], tmp_path, enable_checkpointing=True, max_steps=2).fit(module())
     assert first.profiled and first.plan is not None and first.plan.decisions
@@ -141,7 +142,7 @@ def test_resume_restores_the_plan_without_profiling(tmp_path, monkeypatch):
         raise AssertionError("resuming must not profile again")
 
     monkeypatch.setattr(fit_step_module, "profile_step", no_profiling)
-    second = AutoSAC(budget_gb=budget)
+    second = AutoSAC(budget_gb=budget, measure=False, log_figures=False)
     record = Record(tmp_path)
     trainer([second, record], tmp_path, max_steps=4).fit(module(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert second.plan == first.plan and not second.profiled
@@ -209,15 +210,16 @@ def test_profiling_error_names_the_op_and_strict_false_trains_without_a_plan(tmp
 def test_plan_path_is_written_then_reused(tmp_path, monkeypatch):
     path = tmp_path / "plan.json"
     budget = tight_budget_gb()
-    first = AutoSAC(budget_gb=budget, plan_path=path)
+    quiet = {"measure": False, "log_figures": False}  # the plan file is the subject, not the measured step
+    first = AutoSAC(budget_gb=budget, plan_path=path, **quiet)
     trainer([first], tmp_path, max_steps=1).fit(module())
     assert Plan.from_json(path.read_text()) == first.plan
     monkeypatch.setattr(fit_step_module, "profile_step", lambda *a, **k: pytest.fail("plan_path must be reused"))
-    second = AutoSAC(budget_gb=budget, plan_path=path)
+    second = AutoSAC(budget_gb=budget, plan_path=path, **quiet)
     trainer([second], tmp_path, max_steps=1).fit(module())
     assert second.plan == first.plan and not second.profiled
     monkeypatch.undo()
-    third = AutoSAC(budget_gb=budget * 0.9, plan_path=path)  # another budget: planned again, and said so
+    third = AutoSAC(budget_gb=budget * 0.9, plan_path=path, **quiet)  # another budget: planned again, and said so
     with pytest.warns(UserWarning, match=r"does not fit this run \(the budget changed\); planning again"):
         trainer([third], tmp_path, max_steps=1).fit(module())
     assert third.profiled

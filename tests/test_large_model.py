@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import json, resource, torch
@@ -28,6 +30,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter, to read the process's own peak RSS: the matrix tier
 def test_two_billion_parameter_meta_model_profiles_within_a_few_gib_of_rss():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, timeout=600)
     r = json.loads(out.stdout.strip().splitlines()[-1])

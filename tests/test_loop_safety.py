@@ -103,10 +103,10 @@ def test_own_measurement_agrees_with_an_independent_one(tmp_path: Path, plain_pe
     the loader prefetched and Lightning's logged values).
     """
     budget_gb = 0.8 * plain_peak / GIB
-    own = AutoSAC(budget_gb=budget_gb)
+    own = AutoSAC(budget_gb=budget_gb, log_figures=False)  # the figures are test_report's subject
     fit(HFModule(gpt2().model), tmp_path, [own])
     peaks = BatchPeaks()
-    other = AutoSAC(budget_gb=budget_gb, measure=False)
+    other = AutoSAC(budget_gb=budget_gb, measure=False, log_figures=False)
     fit(HFModule(gpt2().model), tmp_path, [other, peaks])
     assert own.plan is not None and other.plan is not None and own.measured is not None
     assert own.plan.decisions == other.plan.decisions

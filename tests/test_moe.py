@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 
 import pytest
 import torch
-from test_real_models import GIB, reference, two_steps
+from test_real_models import GIB, measured_planned_peak, reference, train_planned
 from torch import nn
 
-from lightning_sac import ProfilingError, apply_plan, profile_model, solve_plan
+from lightning_sac import ProfilingError, profile_model, solve_plan
 from lightning_sac.measure import measure_training_step
 from lightning_sac.profiling.meta_fallback import grouped_mm_flops
 from lightning_sac.profiling.moe_routing import even_split, routing_bound_bytes
@@ -68,28 +67,8 @@ def test_a_plan_for_a_mixture_of_experts_holds_with_both_backends(name, backend)
     # Grouped-mm experts have every row in every tensor whatever the routing: nothing to bound.
     assert (plan.routing_bound_bytes == 0) == (MOE[name] == "grouped_mm")
     assert "mixture-of-experts" in plan.table()
-    model = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lightning-sac")  # no mismatch, no unplanned call
-        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
-        handle = apply_plan(model, plan)
-        steps = two_steps(model, ref.family)
-    assert all(w.mismatched_calls == 0 for w in handle.wrappers.values())
-    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(ref.steps, steps, strict=True):
-        torch.testing.assert_close(loss, plain_loss)
-        assert grads.keys() == plain_grads.keys()
-        for n in plain_grads:
-            torch.testing.assert_close(grads[n], plain_grads[n], msg=n)
-        for n in plain_buffers:
-            torch.testing.assert_close(buffers[n], plain_buffers[n], msg=n)
-    handle.remove()
-    planned = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(planned, plan)
-        measured = measure_training_step(
-            planned, ref.family.batch, loss_fn=ref.family.loss_fn, optimizer_factory=ref.family.optimizer
-        ).peak_bytes
+    train_planned(ref, plan)
+    measured = measured_planned_peak(ref, plan)
     predicted = plan.predicted_peak_bytes
     # At most 2% above; the eager experts' plan keeps ops of experts the real routing gives more rows than the
     # split (up to 346 of 256), within the plan's stated bound.

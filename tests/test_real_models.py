@@ -74,6 +74,47 @@ def plan_for(ref: Reference, budget: str, backend: str) -> Plan:
     return solve_plan(ref.profile, info.value.minimum_bytes * 1.02 / GIB, backend=backend)
 
 
+def train_planned(ref: Reference, plan: Plan, *, exact: bool = False) -> list[Any]:
+    """Train a planned copy two steps as ``ref`` did: no mismatch, no unplanned call, and the plain model's loss, every
+    gradient and every buffer (bit-equal with ``exact``). Returns the plan's wrappers, removed, with their counters."""
+    model = copy.deepcopy(ref.family.model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lightning-sac")  # no mismatch, no unplanned call
+        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
+        handle = apply_plan(model, plan)
+        steps = two_steps(model, ref.family)
+    wrappers = list(handle.wrappers.values())
+    handle.remove()
+    assert all(w.mismatched_calls == 0 for w in wrappers)
+
+    def equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        if exact:
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, msg=what)
+
+    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(ref.steps, steps, strict=True):
+        equal(loss, plain_loss, "loss")
+        assert grads.keys() == plain_grads.keys()
+        for n in plain_grads:
+            equal(grads[n], plain_grads[n], n)
+        assert buffers.keys() == plain_buffers.keys()
+        for n in plain_buffers:  # BatchNorm's running statistics: updated once per step, as without a plan
+            equal(buffers[n], plain_buffers[n], n)
+    return wrappers
+
+
+def measured_planned_peak(ref: Reference, plan: Plan) -> int:
+    """The allocator's peak of a real step of a planned copy of ``ref``'s model."""
+    planned = copy.deepcopy(ref.family.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_plan(planned, plan)
+        return measure_training_step(
+            planned, ref.family.batch, loss_fn=ref.family.loss_fn, optimizer_factory=ref.family.optimizer
+        ).peak_bytes
+
+
 @pytest.mark.parametrize("name", PLANNED + ["gpt2_gradient_checkpointing"])
 def test_the_plain_prediction_matches_a_real_step(name):
     ref = reference(name)
@@ -92,28 +133,8 @@ def test_planned_steps_equal_the_plain_model_and_their_prediction(name, budget, 
     ref = reference(name)
     plan = plan_for(ref, budget, backend)
     assert plan.decisions
-    model = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lightning-sac")  # no mismatch, no unplanned call
-        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
-        handle = apply_plan(model, plan)
-        steps = two_steps(model, ref.family)
-    assert all(w.mismatched_calls == 0 for w in handle.wrappers.values())
-    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(ref.steps, steps, strict=True):
-        torch.testing.assert_close(loss, plain_loss)
-        assert grads.keys() == plain_grads.keys()
-        for n in plain_grads:
-            torch.testing.assert_close(grads[n], plain_grads[n], msg=n)
-        for n in plain_buffers:  # BatchNorm's running statistics: updated once per step, as without a plan
-            torch.testing.assert_close(buffers[n], plain_buffers[n], msg=n)
-    handle.remove()
-    planned = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(planned, plan)
-        measured = measure_training_step(
-            planned, ref.family.batch, loss_fn=ref.family.loss_fn, optimizer_factory=ref.family.optimizer
-        ).peak_bytes
+    train_planned(ref, plan)
+    measured = measured_planned_peak(ref, plan)
     # Within 3%; the graph backend may hold less than predicted (5%): its recompute is counted as SAC's, an upper
     # bound, since it reruns only what backward unpacks and frees each node at its last consumer.
     below = 0.05 if backend == "graph" else 0.03

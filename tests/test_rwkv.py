@@ -9,16 +9,11 @@ steps, and the step measures at most 2% above its prediction and never above the
 
 from __future__ import annotations
 
-import copy
-import warnings
-
 import pytest
-import torch
-from test_real_models import reference, two_steps
+from test_real_models import measured_planned_peak, reference, train_planned
 
-from lightning_sac import apply_plan, solve_plan
+from lightning_sac import solve_plan
 from lightning_sac.apply.recompute import recomputed_ops
-from lightning_sac.measure import measure_training_step
 
 GIB = 2**30
 BUFFER = "aten.zeros_like.default"
@@ -48,27 +43,8 @@ def test_a_plan_at_80_percent_replays_the_slice_writes_and_holds(backend):
                 if backend == "graph":
                     assert set(writes) <= set(recomputed_ops(stats, decision.op_policy, "graph"))
     assert scans
-    model = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lightning-sac")  # no mismatch, no unplanned call
-        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
-        handle = apply_plan(model, plan)
-        steps = two_steps(model, ref.family)
-    assert all(w.calls == 2 and w.mismatched_calls == 0 for w in handle.wrappers.values())
-    for (plain_loss, plain_grads, plain_buffers), (loss, grads, buffers) in zip(ref.steps, steps, strict=True):
-        assert torch.equal(loss, plain_loss)
-        assert grads.keys() == plain_grads.keys()
-        for n in plain_grads:
-            assert torch.equal(grads[n], plain_grads[n]), n
-        for n in plain_buffers:
-            assert torch.equal(buffers[n], plain_buffers[n]), n
-    handle.remove()
-    planned = copy.deepcopy(ref.family.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(planned, plan)
-        measured = measure_training_step(
-            planned, ref.family.batch, loss_fn=ref.family.loss_fn, optimizer_factory=ref.family.optimizer
-        ).peak_bytes
+    wrappers = train_planned(ref, plan, exact=True)
+    assert all(w.calls == 2 for w in wrappers)
+    measured = measured_planned_peak(ref, plan)
     assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
     assert measured <= ref.plain_peak

@@ -100,3 +100,24 @@ def test_a_module_taking_our_parameter_names_plans_and_trains(backend):
         assert grads.keys() == plain_grads.keys()
         for n, g in plain_grads.items():
             assert torch.equal(grads[n], g), n
+
+
+def test_the_names_cover_every_parameter_of_the_wrappers_and_of_torch_checkpoint():
+    # The list above is only as good as its coverage: every parameter a wrapper or torch's checkpoint declares.
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_sac.apply.graph_ac import GraphCheckpointForward
+    from lightning_sac.apply.planned import PlannedForward
+    from lightning_sac.apply.sac import SelectiveCheckpointForward
+
+    functions = [checkpoint, PlannedForward.__init__, PlannedForward.__call__, PlannedForward.run_traced]
+    functions += [cls.run for cls in (PlannedForward, SelectiveCheckpointForward, GraphCheckpointForward)]
+    declared = {
+        name
+        for f in functions
+        for name, p in inspect.signature(f).parameters.items()
+        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    assert declared and declared <= set(NAMES), sorted(declared - set(NAMES))

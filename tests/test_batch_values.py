@@ -38,16 +38,20 @@ def test_ctc_model_plain_prediction_matches_a_real_step():
     assert abs(predicted - ref.plain_peak) <= 0.02 * ref.plain_peak, (predicted, ref.plain_peak)
 
 
-@pytest.mark.slow  # a cell of the real-model matrix, as in test_real_models.py
-@pytest.mark.parametrize("backend", ["sac", "graph"])
-def test_ctc_model_plan_at_80_percent_holds_and_trains_as_the_plain_model(backend):
-    ref = reference("wav2vec2_ctc")
+def plan_at_80_percent_holds(ref: Reference, backend: str) -> None:
+    """A plan at 80% of the peak trains as the plain model, within 2% above its prediction and below the plain peak."""
     plan = solve_plan(ref.profile, 0.8 * ref.profile.peak_bytes / GIB, backend=backend)
     assert plan.decisions
     train_planned(ref, plan)
     measured = measured_planned_peak(ref, plan)
     assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
     assert measured <= ref.plain_peak, (measured, ref.plain_peak)
+
+
+@pytest.mark.slow  # a cell of the real-model matrix, as in test_real_models.py
+@pytest.mark.parametrize("backend", ["sac", "graph"])
+def test_ctc_model_plan_at_80_percent_holds_and_trains_as_the_plain_model(backend):
+    plan_at_80_percent_holds(reference("wav2vec2_ctc"), backend)
 
 
 class CTCHead(nn.Module):
@@ -221,13 +225,7 @@ def test_with_stand_in_arrays_the_detector_profile_matches_a_real_step(detr_refe
 @pytest.mark.slow  # a cell of the real-model matrix, as in test_real_models.py
 @pytest.mark.parametrize("backend", ["sac", "graph"])
 def test_a_detector_planned_with_stand_in_arrays_trains_as_the_plain_model(detr_reference, backend):
-    ref = detr_reference
-    plan = solve_plan(ref.profile, 0.8 * ref.profile.peak_bytes / GIB, backend=backend)
-    assert plan.decisions
-    train_planned(ref, plan)
-    measured = measured_planned_peak(ref, plan)
-    assert measured <= 1.02 * plan.predicted_peak_bytes, (measured, plan.predicted_peak_bytes)
-    assert measured <= ref.plain_peak, (measured, ref.plain_peak)
+    plan_at_80_percent_holds(detr_reference, backend)
 
 
 class MatchedLightning(pl.LightningModule):

@@ -27,6 +27,15 @@ from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
 from lightning_sac.tradeoff import module_tradeoff
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_mode_restored():  # noqa: ANN202
+    # Trainer(deterministic=True) turns deterministic algorithms on for the process and never off; they pick some
+    # kernels (cuDNN attention is refused under them), so each test starts from the mode the session started in.
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+
+
 @dataclass
 class Case:
     name: str

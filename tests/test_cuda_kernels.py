@@ -29,14 +29,16 @@ def _qkv(
 
 CASES = [
     # (device, q shape, dtype, kv heads, mask, gqa, kernels enabled, expected)
-    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, None, FLASH),
-    ("A100-40GB", (2, 8, 128, 64), torch.float16, None, False, False, None, FLASH),
-    ("H100-SXM", (2, 8, 128, 64), torch.float32, None, False, False, None, EFFICIENT),  # flash takes half only
-    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, True, False, None, EFFICIENT),  # flash takes no mask
-    ("H100-SXM", (2, 8, 128, 512), torch.bfloat16, None, False, False, None, EFFICIENT),  # flash: head dim <= 256
-    ("H100-SXM", (2, 8, 128, 60), torch.bfloat16, None, False, False, None, FLASH),
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, None, CUDNN),  # cuDNN first on SM 9.0
+    ("A100-40GB", (2, 8, 128, 64), torch.float16, None, False, False, None, FLASH),  # flash first elsewhere
+    ("H100-SXM", (2, 8, 128, 64), torch.float32, None, False, False, None, EFFICIENT),  # cuDNN, flash: half only
+    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, True, False, None, CUDNN),  # cuDNN takes a mask
+    ("A100-40GB", (2, 8, 128, 64), torch.bfloat16, None, True, False, None, EFFICIENT),  # flash takes no mask
+    ("H100-SXM", (2, 8, 128, 256), torch.bfloat16, None, False, False, None, CUDNN),  # head dim 256 on SM 9.0
+    ("H100-SXM", (2, 8, 128, 512), torch.bfloat16, None, False, False, None, EFFICIENT),  # cuDNN, flash: <= 256
+    ("H100-SXM", (2, 8, 128, 60), torch.bfloat16, None, False, False, None, FLASH),  # cuDNN: multiples of 8
     ("H100-SXM", (2, 8, 128, 60), torch.bfloat16, None, True, False, None, MATH),  # 60 % 8: no efficient either
-    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, 2, False, True, None, FLASH),  # flash runs GQA natively
+    ("A100-40GB", (2, 8, 128, 64), torch.bfloat16, 2, False, True, None, FLASH),  # flash runs GQA natively
     ("H100-SXM", (2, 8, 128, 64), torch.float32, 2, False, True, None, MATH),  # efficient takes no GQA
     ("H100-SXM", (16, 128, 64), torch.bfloat16, None, False, False, None, MATH),  # fused kernels want 4-D
     ("V100", (2, 8, 128, 64), torch.float16, None, False, False, None, EFFICIENT),  # no flash below SM 8.0
@@ -44,7 +46,7 @@ CASES = [
     ("L4", (2, 8, 128, 200), torch.bfloat16, None, False, False, None, EFFICIENT),  # SM 8.9 trains no dim 200
     ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.MATH], MATH),
     ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.EFFICIENT_ATTENTION], EFFICIENT),
-    ("H100-SXM", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.CUDNN_ATTENTION], CUDNN),
+    ("A100-40GB", (2, 8, 128, 64), torch.bfloat16, None, False, False, [SDPBackend.CUDNN_ATTENTION], CUDNN),
 ]
 
 
@@ -69,6 +71,24 @@ def test_sdpa_backend_follows_cudas_rules(
             with sdpa_kernel(enabled):
                 got = choose_backend(spec, q, k, v, attn_mask, 0.1, False, gqa)
     assert got == expected
+
+
+def test_cudnn_attention_yields_to_deterministic_algorithms_and_to_torch_s_switch(monkeypatch) -> None:
+    # GPU-found: an H100 run under torch.use_deterministic_algorithms(True) took another kernel than the profile.
+    spec = get_device_spec("H100-SXM")
+    with FakeTensorMode():
+        q, k, v = _qkv((2, 8, 128, 64), torch.bfloat16)
+        was = torch.are_deterministic_algorithms_enabled()
+        was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)
+            assert choose_backend(spec, q, k, v) == FLASH  # check_cudnn_deterministic refuses cuDNN
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            assert choose_backend(spec, q, k, v) == CUDNN  # warn_only lets it run
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=was_warn)
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+        assert choose_backend(spec, q, k, v) == FLASH
 
 
 def test_no_enabled_backend_takes_the_call_raises_as_cuda_does() -> None:

@@ -18,6 +18,8 @@ from zoo import gpt2
 
 from lightning_sac import profile_model, solve_plan
 from lightning_sac.apply import apply_plan
+from lightning_sac.apply.sac import sac_sees_outputs
+from lightning_sac.errors import LightningSACError
 from lightning_sac.measure import measure_training_step
 from lightning_sac.plan import ModuleDecision, Plan
 from lightning_sac.profiling.step import default_loss
@@ -163,11 +165,7 @@ def test_a_call_that_leaves_the_plan_redraws_its_noise_exactly(family_and_profil
     assert all(w.last_skipper.copied == 0 for w in handle.wrappers.values())
 
 
-def test_the_solver_masks_where_copies_are_cheaper_and_keeps_its_budget(family_and_profile):
-    family, measured = family_and_profile
-    # This tiny model's ops take tens of microseconds, where timing noise (a busy machine) decides the plan. So every
-    # op costs a fixed time per byte it makes, each mask copy as much per byte of the noise it stands for, and a
-    # draw 8x its copies, as drawing a large tensor on a CPU does (the vs_peers GPT: 30 against 3.8 ms).
+def _fixed_costs(measured):  # noqa: ANN001, ANN202
     profile = type(measured).from_json(measured.to_json())
     for module in profile.modules.values():
         module.measured_overhead = {}  # calibration's timings too: the wrapping's cost is then modelled
@@ -179,6 +177,15 @@ def test_the_solver_masks_where_copies_are_cheaper_and_keeps_its_budget(family_a
         stats.mask_ms = [2 * 4 * nbytes / 1e6 for nbytes in stats.mask_bytes]  # in and out, per float32 noise byte
         for draw, ms in zip(stats.mask_ops, stats.mask_ms, strict=True):
             stats.runtimes[draw] = 8 * ms
+    return profile
+
+
+def test_the_solver_masks_where_copies_are_cheaper_and_keeps_its_budget(family_and_profile):
+    family, measured = family_and_profile
+    # This tiny model's ops take tens of microseconds, where timing noise (a busy machine) decides the plan. So every
+    # op costs a fixed time per byte it makes, each mask copy as much per byte of the noise it stands for, and a
+    # draw 8x its copies, as drawing a large tensor on a CPU does (the vs_peers GPT: 30 against 3.8 ms).
+    profile = _fixed_costs(measured)
     masked = []
     for fraction in (0.65, 0.6, 0.55, 0.5):
         budget = fraction * profile.peak_bytes / GIB
@@ -201,3 +208,49 @@ def test_the_solver_masks_where_copies_are_cheaper_and_keeps_its_budget(family_a
     for d in old["decisions"].values():
         del d["masked_ops"]
     assert all(d.masked_ops == [] for d in Plan.from_dict(old).decisions.values())
+
+
+@pytest.fixture
+def torch_before_2_12(monkeypatch):  # noqa: ANN001, ANN201
+    """``SelectiveCheckpointContext`` as torch 2.11 and older make it: no ``op_output`` (the policy runs first)."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    def init(self, *, is_recompute, **_newer) -> None:  # noqa: ANN001
+        self.is_recompute = is_recompute
+
+    monkeypatch.setattr(SelectiveCheckpointContext, "__init__", init)
+    assert not sac_sees_outputs()
+
+
+def test_before_torch_2_12_a_selective_plan_trains_bit_equal(family_and_profile, torch_before_2_12):
+    # GPU-found: torch 2.11's policy context has no op_output, and every selective plan raised AttributeError.
+    family, profile = family_and_profile
+    plain, planned = copy.deepcopy(family.model), copy.deepcopy(family.model)
+    handle = apply_plan(planned, _plan(profile, masked=False))
+    for _ in range(2):
+        loss, planned_loss = _step(plain, family.batch), _step(planned, family.batch)
+        assert torch.equal(planned_loss, loss)
+        for p, q in zip(plain.parameters(), planned.parameters(), strict=True):
+            assert torch.equal(q.grad, p.grad)
+            p.grad = q.grad = None
+    assert all(not w.whole and w.calls == 2 and w.mismatched_calls == 0 for w in handle.wrappers.values())
+    for a, b in zip(plain.buffers(), planned.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_before_torch_2_12_the_solver_plans_no_masks_and_a_masked_plan_is_refused(
+    family_and_profile, torch_before_2_12
+):
+    family, measured = family_and_profile
+    profile = _fixed_costs(measured)
+    plans = [solve_plan(profile, fraction * profile.peak_bytes / GIB) for fraction in (0.65, 0.6, 0.55, 0.5)]
+    assert all(p.decisions and not any(d.masked_ops for d in p.decisions.values()) for p in plans)
+    model, plan, masked = copy.deepcopy(family.model), _plan(measured, masked=False), _plan(measured, masked=True)
+    last = _blocks(measured)[-1]
+    plan.decisions[last] = masked.decisions[last]  # the first blocks are wrapped before the last one is refused
+    with pytest.raises(LightningSACError, match=r"op_output, torch >= 2\.12"):
+        apply_plan(model, plan)
+    # Refused whole: no module is left wrapped.
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    loss, plain_loss = _step(model, family.batch), _step(copy.deepcopy(family.model), family.batch)
+    assert torch.equal(loss, plain_loss)

@@ -129,31 +129,35 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
                 "Call handle.remove() on the previous plan first."
             )
     handle = PlanHandle(plan=plan, backend=backend)
-    for fqn in plan.replaces_checkpointing:
-        if getattr(modules[fqn], "gradient_checkpointing", None) is True:
-            modules[fqn].__dict__["gradient_checkpointing"] = False
-            handle._flags_off.append(modules[fqn])
-    from lightning_sac.apply.planned import Notices
-    from lightning_sac.apply.sac import SelectiveCheckpointForward
+    try:
+        for fqn in plan.replaces_checkpointing:
+            if getattr(modules[fqn], "gradient_checkpointing", None) is True:
+                modules[fqn].__dict__["gradient_checkpointing"] = False
+                handle._flags_off.append(modules[fqn])
+        from lightning_sac.apply.planned import Notices
+        from lightning_sac.apply.sac import SelectiveCheckpointForward
 
-    notices = Notices()
-    if plan.kv_cache_off:
-        handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
-    for fqn, decision in plan.decisions.items():
-        module = planned[fqn]
-        if backend != "sac" and any(is_sharded(child) for child in module.children()):
-            raise ValueError(
-                f"Module {fqn!r} contains FSDP units; the {backend!r} backend cannot checkpoint across FSDP's "
-                "gathers. Use backend='sac' (the default)."
-            )
-        handle._hooks += bracket_fsdp_units(module)
-        if backend == "sac":
-            wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
-        else:
-            from lightning_sac.apply.graph_ac import GraphCheckpointForward
+        notices = Notices()
+        if plan.kv_cache_off:
+            handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
+        for fqn, decision in plan.decisions.items():
+            module = planned[fqn]
+            if backend != "sac" and any(is_sharded(child) for child in module.children()):
+                raise ValueError(
+                    f"Module {fqn!r} contains FSDP units; the {backend!r} backend cannot checkpoint across FSDP's "
+                    "gathers. Use backend='sac' (the default)."
+                )
+            handle._hooks += bracket_fsdp_units(module)
+            if backend == "sac":
+                wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
+            else:
+                from lightning_sac.apply.graph_ac import GraphCheckpointForward
 
-            wrapper = GraphCheckpointForward(module, fqn, decision, notices)
-        module.__dict__["forward"] = wrapper
-        handle.wrappers[fqn] = wrapper
-        handle._modules[fqn] = module
+                wrapper = GraphCheckpointForward(module, fqn, decision, notices)
+            module.__dict__["forward"] = wrapper
+            handle.wrappers[fqn] = wrapper
+            handle._modules[fqn] = module
+    except BaseException:
+        handle.remove()  # a refused plan leaves the model as it was: no module half wrapped
+        raise
     return handle

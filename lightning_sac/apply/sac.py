@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,13 +25,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_sac.apply.planned import CallState, PlannedForward, bound
 from lightning_sac.apply.skip_dead import SkipDeadOps
+from lightning_sac.errors import LightningSACError
 from lightning_sac.plan import ModuleDecision
 
-__all__ = ["SelectiveCheckpointForward", "runs_whole", "whole_checkpoints"]
+__all__ = ["SelectiveCheckpointForward", "runs_whole", "sac_sees_outputs", "whole_checkpoints"]
 
 _WHOLE = contextvars.ContextVar("lightning_sac_whole_checkpoints", default=True)
 # Kinds of call remembered per module; past it the memory starts over (each kind is then observed once more).
@@ -63,6 +65,15 @@ def whole_checkpoints(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _WHOLE.reset(token)
+
+
+def sac_sees_outputs() -> bool:
+    """Whether this torch passes each op's output to a selective-checkpoint policy (``ctx.op_output``).
+
+    torch 2.12 added it; before, the policy is asked before the op runs. Without it the backend still applies any
+    plan but one that keeps dropout noise as masks, which must see the noise it keeps.
+    """
+    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 def runs_whole(module: nn.Module, decision: ModuleDecision) -> bool:
@@ -104,6 +115,14 @@ class SelectiveCheckpointForward(PlannedForward):
 
     def __init__(self, module: nn.Module, fqn: str, decision: ModuleDecision, notices: Any = None) -> None:
         super().__init__(module, fqn, decision, notices)
+        if self.masked and not sac_sees_outputs():
+            raise LightningSACError(
+                f"The plan keeps {fqn or 'the model'}'s dropout noise as masks ({len(self.masked)} ops), which needs "
+                "torch.utils.checkpoint to show each op's output to the policy (SelectiveCheckpointContext.op_output, "
+                f"torch >= 2.12); torch {torch.__version__} does not. Plan again on this torch (solve_plan leaves "
+                "masks out where the backend cannot keep them), pass masks=False to solve_plan, or apply with "
+                "backend='graph'."
+            )
         self.whole = _WHOLE.get() and runs_whole(module, decision)
         # Per kind of call (see _call_kind): whether its observed call ran the profiled ops.
         self.kinds: dict[tuple[Any, ...], bool] = {}
@@ -150,7 +169,8 @@ class SelectiveCheckpointForward(PlannedForward):
             # saved in-place ops (dropout's bernoulli_ on empty_like's output); on recompute both return the
             # cached, final value and nothing is applied twice.
             forward, recompute = create_selective_checkpoint_contexts(
-                lambda ctx, func, *a, **k: self.decide(state, func, a, k, ctx.op_output),
+                # Before torch 2.12 the policy runs before the op, with no output to see (sac_sees_outputs).
+                lambda ctx, func, *a, **k: self.decide(state, func, a, k, getattr(ctx, "op_output", None)),
                 allow_cache_entry_mutation=True,
             )
             if not self.skipped and not self.masked:

@@ -166,7 +166,7 @@ def traced_contexts(forward: PlannedForward) -> Callable[[], tuple[Any, Any]]:
             return _with_exit_callback(fwd, lambda: forward.finish_trace(match.finish())), rec
         state = forward.begin()
         fwd, rec = create_selective_checkpoint_contexts(
-            lambda ctx, func, *a, **k: forward.decide(state, func, a, k, ctx.op_output),
+            lambda ctx, func, *a, **k: forward.decide(state, func, a, k, getattr(ctx, "op_output", None)),
             allow_cache_entry_mutation=True,
         )
         return _with_exit_callback(fwd, lambda: forward.finish(state)), rec

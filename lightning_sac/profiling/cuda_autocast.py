@@ -190,29 +190,42 @@ def _kernel(name: str, policy: str) -> Callable[..., Any]:
 class KernelOverride:
     """While active, Python kernels replace some of the dispatcher's (the originals come back on exit).
 
-    Subclasses say which in :meth:`register`. torch warns that kernels are overridden: that is the point, and it
-    lasts only until exit, so the warning is silenced.
+    Subclasses say which in :meth:`register`, on the ``aten`` library it is given, or on another namespace's from
+    :meth:`library`. torch warns that kernels are overridden: that is the point, and it lasts only until exit, so
+    the warning is silenced. A registration that fails takes back the ones made before it: a later entry (the next
+    profile) finds the dispatcher as torch left it.
     """
 
     def __init__(self) -> None:
-        self._lib: Library | None = None
+        self._libs: dict[str, Library] = {}
 
     def register(self, lib: Library) -> None:
-        """Register the replacement kernels on ``lib``."""
+        """Register the replacement kernels on ``lib`` (``aten``'s)."""
         raise NotImplementedError
 
+    def library(self, namespace: str) -> Library:
+        """The ``IMPL`` library of ``namespace`` this override registers on (made on first use)."""
+        if namespace not in self._libs:
+            self._libs[namespace] = Library(namespace, "IMPL")
+        return self._libs[namespace]
+
     def __enter__(self) -> KernelOverride:
-        lib = Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.register(lib)
-        self._lib = lib
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.register(self.library("aten"))
+        except BaseException:
+            self._destroy()
+            raise
         return self
 
+    def _destroy(self) -> None:
+        for lib in self._libs.values():
+            lib._destroy()
+        self._libs.clear()
+
     def __exit__(self, *exc: object) -> None:
-        if self._lib is not None:
-            self._lib._destroy()
-            self._lib = None
+        self._destroy()
 
 
 class CudaAutocastPolicy(KernelOverride):
@@ -241,15 +254,23 @@ class CudaAutocastPolicy(KernelOverride):
         super().__exit__(*exc)
 
     def register(self, lib: Library) -> None:
-        """CUDA's policy for the ops it lists; every other op the CPU's autocast casts falls through uncast."""
-        cpu_only = {
-            r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(_KEY)
-        } - set(CUDA_AUTOCAST_POLICY)
+        """CUDA's policy for the ops it lists; every other op the CPU's autocast casts falls through uncast.
+
+        Other libraries' ops (torchvision's ``nms`` and ``roi_align``...) keep their own CPU autocast kernel when
+        the library registers one for CUDA too (it casts alike on both), and fall through when it does not, as
+        CUDA's autocast passes an op with no kernel of its own.
+        """
         for name, policy in CUDA_AUTOCAST_POLICY.items():
             if hasattr(torch.ops.aten, name.partition(".")[0]):
                 lib.impl(name, _kernel(name, policy), _KEY)
-        for name in sorted(cpu_only):
-            lib.impl(name, fallthrough_kernel, _KEY)
+        on_cuda = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+        for qualified in sorted(torch._C._dispatch_get_registrations_for_dispatch_key(_KEY)):
+            namespace, _, name = qualified.partition("::")
+            if namespace == "aten":
+                if name not in CUDA_AUTOCAST_POLICY:
+                    lib.impl(name, fallthrough_kernel, _KEY)
+            elif qualified not in on_cuda:
+                self.library(namespace).impl(name, fallthrough_kernel, _KEY)
 
 
 class CudaAutocastRegions:

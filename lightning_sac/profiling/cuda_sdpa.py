@@ -2,8 +2,9 @@
 
 On a GPU, ``F.scaled_dot_product_attention`` picks a kernel per call (``select_sdp_backend`` in
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``): it walks torch's priority order (by default flash,
-memory-efficient, math, cuDNN) and takes the first backend the user has not disabled (``sdpa_kernel``,
-``torch.backends.cuda.enable_*_sdp``) whose constraints the call meets. The kernels keep very different tensors for
+memory-efficient, math, cuDNN; cuDNN first on SM 9.0 and 10.0, see :func:`priority_order`) and takes the first
+backend the user has not disabled (``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``) whose constraints the
+call meets. The kernels keep very different tensors for
 backward: flash and memory-efficient keep q, k, v, the output and a log-sum-exp (O(T) per head), the math path keeps
 the T x T attention matrix, and in fp32 when q is half precision (``allowFP16BF16ReductionMathSDP`` is off by
 default). A CUDA target profiled on fake CPU tensors therefore makes the same choice here, from the target's compute
@@ -14,18 +15,31 @@ The constraints checked are those of the dense (not nested) path: 4-D inputs; fl
 head dims equal and at most 256, SM 8.0 or newer (SM 8.6/8.9 refuse training with head dim in (192, 224], or above
 224 with dropout), causal only for square attention, grouped-query attention natively; memory-efficient: SM 5.0 or
 newer, fp16/fp32 (and bf16 from SM 8.0), head dims divisible by the GEMM alignment (8 for half precision, 4 for fp32
-from SM 8.0), equal head counts; cuDNN: fp16/bf16, head dims at most 128 and divisible by 8, SM 8.0 to 10.x.
+from SM 8.0), equal head counts; cuDNN: fp16/bf16, head dims at most 128 and divisible by 8, SM 8.0 to 10.x, not
+under ``torch.use_deterministic_algorithms(True)`` (Lightning's ``deterministic=True``) unless ``warn_only``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from lightning_sac.devices import DeviceSpec
 
-__all__ = ["CUDNN", "EFFICIENT", "FLASH", "MATH", "attention_workspace_bytes", "choose_backend", "cuda_sdpa"]
+__all__ = [
+    "CUDNN",
+    "CUDNN_FIRST",
+    "DEFAULT_ORDER",
+    "EFFICIENT",
+    "FLASH",
+    "MATH",
+    "attention_workspace_bytes",
+    "choose_backend",
+    "cuda_sdpa",
+    "priority_order",
+]
 
 aten = torch.ops.aten
 
@@ -96,10 +110,43 @@ def _efficient_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm: Any) ->
 def _cudnn_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm: Any) -> bool:
     if not torch.backends.cuda.cudnn_sdp_enabled() or sm is None or not (8, 0) <= sm < (11, 0):
         return False
+    # check_cudnn_deterministic: cuDNN attention is refused under deterministic algorithms (warn_only lets it run).
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
     if not _dense_ok(q, k, v) or q.dtype not in _HALF:
         return False
     dq, dv = q.shape[-1], v.shape[-1]
-    return dq <= 128 and dv <= 128 and dq % 8 == 0 and dv % 8 == 0 and q.shape[-2] > 1 and k.shape[-2] > 1
+    # check_cudnn_tensor_shapes: head dims up to 256 on SM 9.0 (cuDNN >= 9.10), else 128; multiples of 8.
+    limit = 256 if sm == (9, 0) else 128
+    return dq <= limit and dv <= limit and dq % 8 == 0 and dv % 8 == 0 and q.shape[-2] > 1 and k.shape[-2] > 1
+
+
+#: torch's default priority order of the SDPA backends, and the one ``check_prefer_cudnn_attention`` installs.
+DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)
+CUDNN_FIRST = (CUDNN, FLASH, EFFICIENT, MATH)
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return value.strip().lower() not in ("0", "false", "off", "no", "")
+
+
+def priority_order(spec: DeviceSpec) -> tuple[int, ...]:
+    """The order CUDA's selection tries the backends in on ``spec``.
+
+    ``check_prefer_cudnn_attention`` (``sdp_utils.cpp``) puts cuDNN first on SM 9.0 and 10.0 (H100, H200, B200)
+    with the cuDNN torch's CUDA wheels ship (9.9 and later), unless ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is set (or,
+    in torch 2.11 and older, ``TORCH_CUDNN_SDPA_PREFERRED=0``); it does so only over the default order, so an order
+    the user set (``sdpa_kernel(..., set_priority=True)``) stands. This machine's torch reports the order it would
+    use (``torch._C._get_sdp_priority_order``), which a CPU build never re-orders.
+    """
+    order = tuple(torch._C._get_sdp_priority_order())
+    preferred = not _env_flag("TORCH_CUDNN_SDPA_DEPRIORITIZED") and _env_flag("TORCH_CUDNN_SDPA_PREFERRED") is not False
+    if preferred and spec.compute_capability in ((9, 0), (10, 0)) and order[: len(DEFAULT_ORDER)] == DEFAULT_ORDER:
+        return CUDNN_FIRST + order[len(DEFAULT_ORDER) :]
+    return order
 
 
 def choose_backend(
@@ -118,7 +165,7 @@ def choose_backend(
         RuntimeError: Every backend is disabled or refuses the call, as CUDA raises "No available kernel".
     """
     sm = spec.compute_capability
-    for backend in torch._C._get_sdp_priority_order():
+    for backend in priority_order(spec):
         if backend == FLASH and _flash_ok(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, sm):
             return FLASH
         if backend == EFFICIENT and _efficient_ok(query, key, value, sm):

@@ -12,6 +12,7 @@ from lightning_sac.apply.recompute import (
     check_backend,
     fixed_overhead_ms,
 )
+from lightning_sac.apply.sac import sac_sees_outputs
 from lightning_sac.device_reserve import device_reserve
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
@@ -131,7 +132,8 @@ def solve_plan(
         masks: Whether the SAC backend may keep a module's dropout noise as ``bool`` masks, copied back in
             recompute instead of drawn again (:mod:`lightning_sac.solver.masks`); when some module can, the plan
             is also solved without and the least predicted step kept. Not under ``torch.compile``, whose traced
-            regions cannot run the copy: AutoSAC turns it off for a compiled model.
+            regions cannot run the copy: AutoSAC turns it off for a compiled model. Nor on torch before 2.12, whose
+            selective-checkpoint policies never see the noise they would keep (``apply.sac.sac_sees_outputs``).
 
     Raises:
         BudgetError: The budget is below the minimum achievable peak.
@@ -139,7 +141,8 @@ def solve_plan(
     """
     start = time.perf_counter()
     args = (world_size, sharding, candidates, time_limit_s, mip_gap, backend)
-    masks = masks and backend == "sac" and any(mask_unit(m.op_stats) for m in profile.modules.values() if m.op_stats)
+    maskable = any(mask_unit(m.op_stats) for m in profile.modules.values() if m.op_stats)
+    masks = masks and backend == "sac" and sac_sees_outputs() and maskable
     plan, n_candidates = _solve(profile, budget_gb, n_segments, *args, masks)
     if plan.decisions:
         fits = [n_segments, n_segments + 1] if refine and n_candidates <= REFINE_CANDIDATES else [n_segments]

@@ -177,7 +177,7 @@ def no_cuda() -> Iterator[None]:
         yield
 
 
-_PROFILES: dict[tuple[str, str, str], ModelProfile] = {}
+_PROFILES: dict[tuple[str, str, str, tuple[bool, bool]], ModelProfile] = {}
 
 
 def profile_for(name: str, precision: str, path: str) -> ModelProfile:
@@ -185,9 +185,11 @@ def profile_for(name: str, precision: str, path: str) -> ModelProfile:
 
     ``path="cuda"``: ``device="auto"``, the visible GPU, on fake CUDA tensors. ``path="emulated"``: the table's spec
     of this GPU by name, profiled as a machine without a GPU does it (fake CPU tensors and CUDA emulation), from a
-    copy of the model and batch on the CPU.
+    copy of the model and batch on the CPU. Profiled under the deterministic-algorithms mode in force, which picks
+    some kernels (cuDNN attention is refused under it), as the real steps it is compared with must run under it too.
     """
-    key = (name, precision, path)
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    key = (name, precision, path, mode)
     if key in _PROFILES:
         return _PROFILES[key]
     if path == "cuda":

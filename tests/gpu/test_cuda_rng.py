@@ -29,15 +29,15 @@ CASES = [("gpt", "fp32"), ("gpt", "bf16"), ("gpt2", "fp32"), ("gpt2", "bf16")]
 
 @pytest.mark.parametrize(("name", "precision"), CASES, ids=["-".join(c) for c in CASES])
 def test_graph_backend_replays_cuda_dropout(name, precision, figure):
-    profile = profile_for(name, precision, "cuda")
-    plan = recompute_everything(profile, backend="graph")
-    random_ops = recomputed_random_ops(plan, profile)
-    figure("checkpointed", ", ".join(sorted(plan.decisions)))
-    figure("recomputed_random_ops", len(random_ops))
-    assert random_ops, "the plan recomputes no random op, so it tests no RNG replay"
     # Bit for bit, as in test_cuda_planned: deterministic kernels, the same seeds; recompute reruns each op with
-    # the generator state recorded when it first ran.
+    # the generator state recorded when it first ran. Profiled under the same mode, which picks the kernels.
     with deterministic():
+        profile = profile_for(name, precision, "cuda")
+        plan = recompute_everything(profile, backend="graph")
+        random_ops = recomputed_random_ops(plan, profile)
+        figure("checkpointed", ", ".join(sorted(plan.decisions)))
+        figure("recomputed_random_ops", len(random_ops))
+        assert random_ops, "the plan recomputes no random op, so it tests no RNG replay"
         plain = state_after_steps(build(name, "cuda"), precision)
         other_seed = state_after_steps(build(name, "cuda"), precision, seed=SEED + 100)
         case = build(name, "cuda")

@@ -2,7 +2,7 @@
 
 Three pieces, all driven by ``solver_speed.py``:
 
-* :func:`torch_graph_from_profile` turns a :class:`~lightning_sac.profiling.data.ModelProfile` into torch's
+* :func:`torch_graph_from_profile` turns a :class:`~lightning_sac.dryrun.data.ModelProfile` into torch's
   ``ilp_utils.Graph`` (through torch's own ``parse_module_info``), one ``ModStats`` per module that ran, with
   our memory snapshots, runtimes and trade-off fits in torch's fields;
 * :func:`run_torch_sac_milp` calls torch's ``sac_milp`` (PuLP + CBC) unchanged, recording the PuLP problem it
@@ -42,9 +42,9 @@ import highspy
 import numpy as np
 from torch.distributed._tools.ilp_utils import Graph, parse_module_info
 
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun.data import ModelProfile
 from lightning_sac.solver.highs import new_highs
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.solver.tradeoff import module_tradeoff
 
 __all__ = [
     "MilpResult",
@@ -98,7 +98,7 @@ def torch_graph_from_profile(profile: ModelProfile, n_segments: int = 2) -> Grap
     would keep it; every other module is treated the way torch treats modules without SAC statistics: ``is_leaf``
     with ``sac_*`` zero.
     """
-    from lightning_sac.solver.milp import find_candidates
+    from lightning_sac.solver import find_candidates
 
     candidates = {c.fqn: c for c in find_candidates(profile, None, n_segments)}
     post = set(profile.forward_post_order)

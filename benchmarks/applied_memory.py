@@ -22,7 +22,7 @@ from conftest import adamw, gpt_case  # noqa: E402
 
 from lightning_sac import profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
-from lightning_sac.measure import measure_training_step  # noqa: E402
+from lightning_sac.dryrun.measured import measure_training_step  # noqa: E402
 
 MIB = 2**20
 GIB = 2**30

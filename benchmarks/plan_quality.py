@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 from lightning_sac import BudgetError, profile_model, solve_plan  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
+from lightning_sac.solver import find_candidates  # noqa: E402
 from lightning_sac.solver.memory_model import memory_constraints, peak_with_plan  # noqa: E402
-from lightning_sac.solver.milp import find_candidates  # noqa: E402
 
 GIB = 2**30
 

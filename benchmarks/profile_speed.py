@@ -42,7 +42,7 @@ GOAL_RATIO_AT_4 = 0.3
 
 
 class _LiteralSpec:
-    """H100-SXM datasheet numbers, used only while ``lightning_sac.devices`` is unavailable."""
+    """H100-SXM datasheet numbers, used only while ``lightning_sac.devices.spec`` is unavailable."""
 
     name = "H100-SXM (literal fallback)"
     dram_gbps = 3350.0
@@ -56,7 +56,7 @@ def _get_spec(device: str) -> Any:
     try:
         from lightning_sac.devices import get_device_spec
     except ImportError as err:
-        print(f"[warn] lightning_sac.devices unavailable ({err}); using literal H100-SXM numbers.")
+        print(f"[warn] lightning_sac.devices.spec unavailable ({err}); using literal H100-SXM numbers.")
         return _LiteralSpec()
     return get_device_spec(device)
 

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from zoo import FAMILIES  # noqa: E402
 
 from lightning_sac import BudgetError, apply_plan, profile_model, solve_plan  # noqa: E402
-from lightning_sac.measure import measure_training_step  # noqa: E402
+from lightning_sac.dryrun.measured import measure_training_step  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 DEFAULT = ["gpt2", "llama", "llama_lora", "bert", "t5", "resnet", "lstm", "self_checkpointing"]

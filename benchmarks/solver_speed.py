@@ -60,11 +60,11 @@ from _sac_milp_reference import (  # noqa: E402
     torch_unconstrained_peak,
 )
 
-import lightning_sac.tradeoff as tradeoff_module  # noqa: E402
+import lightning_sac.solver.tradeoff as tradeoff_module  # noqa: E402
 from lightning_sac import BudgetError, profile_model, solve_plan  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
-from lightning_sac.profiling.data import ModelProfile  # noqa: E402
-from lightning_sac.tradeoff import module_tradeoff  # noqa: E402
+from lightning_sac.dryrun.data import ModelProfile  # noqa: E402
+from lightning_sac.solver.tradeoff import module_tradeoff  # noqa: E402
 
 GOAL_OBJECTIVE_REL = 0.01
 GOAL_TIME_RATIO = 0.5

@@ -4,7 +4,7 @@ A GPT is profiled for this CPU with ``estimate="benchmark"`` (every op timed on 
 planned at three budgets, and trained for real with each plan applied and without one, interleaved in one run.
 The measured extra time of a planned step over a plain one, as a share of the plain step, is printed beside the
 plan's predicted share: ``(predicted_recompute_ms + predicted_overhead_ms) / profile.step_ms``, the recompute
-the plan's backend really runs (``lightning_sac.recompute``) and what else wrapping each module costs, measured
+the plan's backend really runs (``lightning_sac.solver.recompute``) and what else wrapping each module costs, measured
 by the profile on a real copy of the module (``lightning_sac.profiling.calibrate``). Goal: within 25% of the
 prediction.
 
@@ -44,9 +44,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from lightning_sac import Plan, profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
-from lightning_sac.apply.recompute import BACKENDS, overhead_ms  # noqa: E402
 from lightning_sac.demos import GPT, GPTConfig  # noqa: E402
-from lightning_sac.profiling.step import model_loss, training_step  # noqa: E402
+from lightning_sac.dryrun.step import model_loss, training_step  # noqa: E402
+from lightning_sac.plan import BACKENDS  # noqa: E402
+from lightning_sac.solver.recompute import overhead_ms  # noqa: E402
 
 GIB = 2**30
 # glibc reads these at start-up: never return freed memory to the OS (no mmap'd chunks, no heap trimming).

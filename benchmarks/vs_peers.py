@@ -46,8 +46,8 @@ from torch import nn  # noqa: E402
 
 from lightning_sac import BudgetError, Plan, profile_model, solve_plan  # noqa: E402
 from lightning_sac.apply import apply_plan  # noqa: E402
-from lightning_sac.measure import measure_training_step  # noqa: E402
-from lightning_sac.profiling.step import model_inputs, model_loss, training_step  # noqa: E402
+from lightning_sac.dryrun.measured import measure_training_step  # noqa: E402
+from lightning_sac.dryrun.step import model_inputs, model_loss, training_step  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 CACHING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}

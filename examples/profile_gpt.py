@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lightning_sac import profile_model, render_profile
 from lightning_sac.demos import GPT, GPTConfig
-from lightning_sac.measure import measure_training_step
+from lightning_sac.dryrun.measured import measure_training_step
 
 
 def main() -> None:

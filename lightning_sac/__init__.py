@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_sac.apply import PlanHandle, apply_plan
-    from lightning_sac.callback import AutoSAC
     from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
+    from lightning_sac.dryrun import ModelProfile, ModuleOpStats, ModuleProfile, host_read_stand_ins
     from lightning_sac.errors import BudgetError, LightningSACError, ProfilingError
+    from lightning_sac.lightning import AutoSAC
     from lightning_sac.plan import ModuleDecision, Plan
-    from lightning_sac.profiling import ModelProfile, ModuleOpStats, ModuleProfile, profile_model, render_profile
-    from lightning_sac.profiling.host_reads import host_read_stand_ins
+    from lightning_sac.profiling import profile_model, profile_step
+    from lightning_sac.report import render_profile
     from lightning_sac.solver import greedy_op_policy, optimal_op_policy, solve_plan
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "known_devices",
     "optimal_op_policy",
     "profile_model",
+    "profile_step",
     "render_profile",
     "solve_plan",
 ]
@@ -45,14 +47,14 @@ __version__ = "0.1.0.dev0"
 # then load only what they use. Lightning (and with it torchmetrics, transformers and scipy, seconds of imports)
 # is loaded only by the callback.
 _SOURCES = {
-    "AutoSAC": "lightning_sac.callback",
+    "AutoSAC": "lightning_sac.lightning",
     "BudgetError": "lightning_sac.errors",
     "DeviceSpec": "lightning_sac.devices",
     "LightningSACError": "lightning_sac.errors",
-    "ModelProfile": "lightning_sac.profiling",
+    "ModelProfile": "lightning_sac.dryrun",
     "ModuleDecision": "lightning_sac.plan",
-    "ModuleOpStats": "lightning_sac.profiling",
-    "ModuleProfile": "lightning_sac.profiling",
+    "ModuleOpStats": "lightning_sac.dryrun",
+    "ModuleProfile": "lightning_sac.dryrun",
     "Plan": "lightning_sac.plan",
     "PlanHandle": "lightning_sac.apply",
     "ProfilingError": "lightning_sac.errors",
@@ -60,11 +62,12 @@ _SOURCES = {
     "apply_plan": "lightning_sac.apply",
     "get_device_spec": "lightning_sac.devices",
     "greedy_op_policy": "lightning_sac.solver",
-    "host_read_stand_ins": "lightning_sac.profiling.host_reads",
+    "host_read_stand_ins": "lightning_sac.dryrun",
     "known_devices": "lightning_sac.devices",
     "optimal_op_policy": "lightning_sac.solver",
     "profile_model": "lightning_sac.profiling",
-    "render_profile": "lightning_sac.profiling",
+    "profile_step": "lightning_sac.profiling",
+    "render_profile": "lightning_sac.report",
     "solve_plan": "lightning_sac.solver",
 }
 
@@ -78,4 +81,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted(__all__)  # the public API; stages are reached as lightning_sac.<stage>

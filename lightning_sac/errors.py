@@ -62,7 +62,7 @@ class BudgetError(LightningSACError):
 
     Attributes:
         minimum_bytes: The minimum achievable peak on one device, bytes: the least budget a plan fits in (for a
-            CUDA target the tensors' peak plus what the device holds besides, :mod:`lightning_sac.device_reserve`).
+            CUDA target the tensors' peak plus what the device holds besides, :mod:`lightning_sac.plan.reserve`).
         unconstrained_bytes: The peak without checkpointing, bytes, counted the same way.
     """
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_sac import ModelProfile, ModuleOpStats, profile_model
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.solver.tradeoff import module_tradeoff
 
 
 @pytest.fixture(autouse=True)

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_sac.measure import unique_bytes
-from lightning_sac.profiling.step import tensors_of
+from lightning_sac.dryrun.measured import unique_bytes
+from lightning_sac.dryrun.step import tensors_of
 
 __all__ = ["BatchPeaks", "FitRun", "batch_peaks"]
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import adamw
 
 from lightning_sac import profile_model
-from lightning_sac.measure import measure_training_step, peak_from_events
+from lightning_sac.dryrun.measured import measure_training_step, peak_from_events
 
 
 @pytest.mark.parametrize("with_optimizer", [False, True], ids=["no-optimizer", "adamw"])

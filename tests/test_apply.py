@@ -15,9 +15,9 @@ from torch import nn
 from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
 from lightning_sac.apply import apply_plan
 from lightning_sac.demos import MLP, ConvNet
-from lightning_sac.measure import measure_training_step
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.solver.milp import find_candidates
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import default_loss
+from lightning_sac.solver import find_candidates
 
 GIB = 2**30
 

@@ -108,7 +108,7 @@ def test_the_names_cover_every_parameter_of_the_wrappers_and_of_torch_checkpoint
 
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_sac.apply.graph_ac import GraphCheckpointForward
+    from lightning_sac.apply.graph.backend import GraphCheckpointForward
     from lightning_sac.apply.planned import PlannedForward
     from lightning_sac.apply.sac import SelectiveCheckpointForward
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_sac.profiling.cuda_autocast import CudaAutocastPolicy, KernelOverride
+from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, KernelOverride
 
 NS = "lsac_autocast_test"
 

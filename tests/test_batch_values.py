@@ -1,10 +1,10 @@
 """Values the dry run has and values it has not: output shapes decided by the batch, host reads of the weights'.
 
 ``aten._ctc_loss`` returns ``log_alpha`` of ``(batch, T, 2 * max(target_lengths) + 1)``; the target lengths are
-counted from the labels, real in the dry run, so the op's output size comes from them (profiling/value_shapes.py):
+counted from the labels, real in the dry run, so the op's output size comes from them (dryrun/values/value_shapes.py):
 a CTC model planned and trained, exact bytes for such an op. A detector's matcher reads its predictions on the host
 (``.numpy()`` for scipy): the error names the read, and within ``host_read_stand_ins()`` the detector is planned and
-trains as the plain model (profiling/host_reads.py).
+trains as the plain model (dryrun/values/host_reads.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning_sac import (
     profile_model,
     solve_plan,
 )
-from lightning_sac.measure import measure_training_step
+from lightning_sac.dryrun.measured import measure_training_step
 
 GIB = 2**30
 

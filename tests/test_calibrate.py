@@ -18,11 +18,11 @@ from zoo import ResNet
 
 from lightning_sac import profile_model, solve_plan
 from lightning_sac.demos import GPT, GPTConfig
+from lightning_sac.dryrun.modules.inputs import TensorSpec, input_spec
 from lightning_sac.profiling import calibrate
-from lightning_sac.profiling.calibrate import TensorSpec, input_spec
-from lightning_sac.recompute import fixed_overhead_ms, overhead_ms, recompute_ms
 from lightning_sac.solver.knapsack import least_kept_policy
-from lightning_sac.tradeoff import effective_memory
+from lightning_sac.solver.recompute import fixed_overhead_ms, overhead_ms, recompute_ms
+from lightning_sac.solver.tradeoff import effective_memory
 
 GIB = 2**30
 

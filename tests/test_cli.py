@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from lightning_sac import Plan, profile_model, solve_plan
-from lightning_sac.cli import gather_devices, main, render_devices
-from lightning_sac.cli_args import UsageError
+from lightning_sac.cli.args import UsageError
+from lightning_sac.cli.main import gather_devices, main, render_devices
 from lightning_sac.demos import gpt_example
 from lightning_sac.devices import known_devices
-from lightning_sac.recompute import recompute_ms
+from lightning_sac.solver.recompute import recompute_ms
 
 FACTORY = "lightning_sac.demos:gpt_example"
 REPO = Path(__file__).resolve().parents[1]

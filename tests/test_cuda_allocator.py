@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from lightning_sac.profiling.cuda_allocator import (
+from lightning_sac.dryrun.cuda.allocator import (
     AllocatorConfig,
     AllocatorPeak,
     CachingAllocatorModel,

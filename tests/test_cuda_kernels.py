@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_sac import get_device_spec, profile_model
-from lightning_sac.profiling.cuda_sdpa import CUDNN, EFFICIENT, FLASH, MATH, attention_workspace_bytes, choose_backend
+from lightning_sac.dryrun.cuda.sdpa import CUDNN, EFFICIENT, FLASH, MATH, attention_workspace_bytes, choose_backend
 
 aten = torch.ops.aten
 

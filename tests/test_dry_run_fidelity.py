@@ -14,12 +14,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zoo import FAMILIES, lm_batch
 
 from lightning_sac import ProfilingError, profile_model
-from lightning_sac.caches import CacheSwitch
-from lightning_sac.measure import measure_training_step
-from lightning_sac.plan import fingerprint_of, profile_fingerprint
-from lightning_sac.profiling.compat import real_step_answers
-from lightning_sac.profiling.ops import is_sac_ignored, op_name
-from lightning_sac.profiling.step import model_inputs, model_loss
+from lightning_sac.adapters.caches import CacheSwitch
+from lightning_sac.dryrun import fingerprint_of, profile_fingerprint
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import model_inputs, model_loss
+from lightning_sac.dryrun.values.compat import real_step_answers
+from lightning_sac.ops.aten import is_sac_ignored, op_name
 
 
 class OpsPerModule(TorchDispatchMode):
@@ -56,7 +56,8 @@ class OpsPerModule(TorchDispatchMode):
 
 
 def real_ops(model: nn.Module, batch: Any, loss_fn: Any = None) -> dict[str, list[str]]:
-    """The ops of a real step as it runs under a plan: in training, without KV caches (``lightning_sac.caches``)."""
+    """The ops of a real step as it runs under a plan: in training, without KV caches
+    (``lightning_sac.adapters.caches``)."""
     model = copy.deepcopy(model)
     with CacheSwitch(model), OpsPerModule(model) as seen:
         model_loss(loss_fn)(model, model_inputs(batch)).backward()

@@ -44,7 +44,7 @@ def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None
 def test_tensor_parallelism_is_refused_with_what_to_pass() -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-    from lightning_sac.callback_args import check_strategy
+    from lightning_sac.lightning.args import check_strategy
 
     with pytest.raises(ValueError, match="tensor parallel size 2 .* tensor_parallel_size=1"):
         check_strategy(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))

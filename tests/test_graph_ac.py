@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from lightning_sac import graph_ac
-from lightning_sac.apply.graph_ac import _graph, compose_policies, save_recompute_policy
+from lightning_sac.apply import graph as graph_ac
+from lightning_sac.apply.graph.backend import _graph, compose_policies, save_recompute_policy
 
 P = CheckpointPolicy
 

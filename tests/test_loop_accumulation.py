@@ -27,7 +27,7 @@ from zoo import gpt2
 
 from lightning_sac import AutoSAC
 from lightning_sac.devices import get_device_spec
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun.data import ModelProfile
 
 GIB = 2**30
 SLACK = 1.02  # the allowance over the budget for a measured batch peak

@@ -29,10 +29,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 from lightning_sac import AutoSAC, apply_plan, profile_model, solve_plan
+from lightning_sac.adapters.compiled import compiled_parts, uncompiled
 from lightning_sac.apply.planned import PlannedForward
-from lightning_sac.compiled import compiled_parts, uncompiled
+from lightning_sac.demos.lightning import GPTModule
 from lightning_sac.demos import GPT, GPTConfig
-from lightning_sac.demos_lightning import GPTModule
 
 GIB = 2**30
 SLACK = 1.02  # the allowance over the budget for a measured batch peak
@@ -279,7 +279,7 @@ import json, torch
 from torch.profiler import ProfilerActivity, profile
 from lightning_sac import apply_plan, profile_model, solve_plan
 from lightning_sac.demos import GPT, GPTConfig
-from lightning_sac.measure import event_name, memory_timeline, peak_from_events
+from lightning_sac.dryrun.measured import event_name, memory_timeline, peak_from_events
 
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0))

@@ -25,12 +25,12 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
 from zoo import bert, lm_batch
 
-import lightning_sac.callback as callback_module
-import lightning_sac.callback_planning as planning_module
+import lightning_sac.lightning.callback as callback_module
+import lightning_sac.lightning.planning as planning_module
 from lightning_sac import AutoSAC, ProfilingError, profile_model
 from lightning_sac.devices import get_device_spec
-from lightning_sac.fit_step import FitStepSettings, profile_lightning_step
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun.data import ModelProfile
+from lightning_sac.lightning.fit_step import FitStepSettings, profile_lightning_step
 
 GIB = 2**30
 SLACK = 1.02  # the allowance over the budget for a measured batch peak
@@ -327,7 +327,7 @@ class FiniteGuard(nn.Module):
 
 @pytest.mark.parametrize(("negated", "answer"), [(False, "False"), (True, "True")], ids=["isnan", "not-isfinite"])
 def test_a_check_for_trouble_profiles_the_step_that_goes_on(negated, answer, monkeypatch):
-    import lightning_sac.profiling.dry_run as dry_run
+    import lightning_sac.dryrun.run as dry_run
 
     runs = []
     record_step = dry_run.record_step
@@ -341,7 +341,7 @@ def test_a_check_for_trouble_profiles_the_step_that_goes_on(negated, answer, mon
 
 
 def test_without_stand_ins_the_step_is_dry_run_once(monkeypatch):
-    import lightning_sac.profiling.dry_run as dry_run
+    import lightning_sac.dryrun.run as dry_run
 
     runs = []
     record_step = dry_run.record_step
@@ -351,7 +351,7 @@ def test_without_stand_ins_the_step_is_dry_run_once(monkeypatch):
 
 
 def test_the_message_says_a_metrics_own_allocations_are_not_counted() -> None:
-    from lightning_sac.profiling.placeholders import placeholder_message
+    from lightning_sac.dryrun.values.placeholders import placeholder_message
 
     metric = {"kind": "metric", "op": "MulticlassAccuracy.forward", "module": "acc", "source": "x.py:3", "value": "v"}
     scalar = {"kind": "scalar", "op": "aten._local_scalar_dense", "module": "", "source": "x.py:4", "value": "1.0"}

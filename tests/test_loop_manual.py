@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sac import AutoSAC, ProfilingError
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun.data import ModelProfile
 from lightning_sac.solver.memory_model import activation_windows
 
 GIB = 2**30

@@ -3,7 +3,7 @@
 Lightning runs ``training_step`` under ``torch.autocast(cache_enabled=False)`` and backward and the optimizer
 outside it, with fp32 weights, gradients and optimizer state. On CPU it runs ``16-mixed`` as ``bf16-mixed`` (fp16
 autocast is CUDA-only; its accelerator connector says so and switches). A plan for a GPU made on this machine
-runs the dry run under CUDA's autocast policy (``lightning_sac.profiling.cuda_autocast``).
+runs the dry run under CUDA's autocast policy (``lightning_sac.dryrun.cuda.autocast``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from zoo import gpt2, gpt2_gradient_checkpointing, llama
 
 from lightning_sac import AutoSAC
-from lightning_sac.profiling.cpu_promotion import promotion_bytes
-from lightning_sac.profiling.cuda_autocast import CUDA_AUTOCAST_POLICY, CudaAutocastPolicy
-from lightning_sac.profiling.dry_run import profile_step
-from lightning_sac.profiling.step import model_inputs, model_loss
+from lightning_sac.dryrun.cpu.promotion import promotion_bytes
+from lightning_sac.dryrun.cuda.autocast import CUDA_AUTOCAST_POLICY, CudaAutocastPolicy
+from lightning_sac.dryrun.step import model_inputs, model_loss
+from lightning_sac.profiling import profile_step
 
 GIB = 2**30
 

@@ -13,7 +13,7 @@ from fit_harness import BatchPeaks
 from test_callback_real_models import HFModule, fit
 from zoo import gpt2
 
-import lightning_sac.fit_measure as fit_measure_module
+import lightning_sac.lightning.fit_measure as fit_measure_module
 from lightning_sac import AutoSAC, Plan
 
 GIB = 2**30

@@ -25,10 +25,10 @@ from test_callback_real_models import HFModule
 from torch.utils.data import DataLoader
 from zoo import gpt2, lm_batch
 
-import lightning_sac.fit_step as fit_step_module
+import lightning_sac.lightning.fit_step as fit_step_module
 from lightning_sac import AutoSAC, LightningSACError
-from lightning_sac.batch_shapes import Signature, grow_batch, max_shapes_signature, signature_of
-from lightning_sac.shape_plans import planning_batch, step_maximum
+from lightning_sac.lightning.batch_shapes import Signature, grow_batch, max_shapes_signature, signature_of
+from lightning_sac.lightning.shape_plans import planning_batch, step_maximum
 
 GIB = 2**30
 SLACK = 1.02  # the allowance over the budget for a measured batch peak

@@ -3,9 +3,10 @@
 Two real transformers MoE classes (``zoo.py``): Mixtral with the default grouped-mm experts (``aten._grouped_mm`` in
 float32, whose meta kernel takes bfloat16 only) and OLMoE with the eager experts (a loop over the experts the routing
 hits, ``nonzero`` and ``index_add_``). The dry run routes them on an even split of their ``top_k x tokens`` rows
-(``profiling/moe_routing.py``), the real step on whatever its random router gives; the grouped-mm experts' memory does
-not depend on the split, the eager experts' is exact in sum, and a plan keeping some of an expert's ops holds what the
-real routing puts there. Then the fallbacks of ``profiling/meta_fallback.py`` on small modules of our own.
+(``dryrun/values/moe_routing.py``), the real step on whatever its random router gives; the grouped-mm experts'
+memory does not depend on the split, the eager experts' is exact in sum, and a plan keeping some of an expert's ops
+holds what the real routing puts there. Then the fallbacks of ``dryrun/values/meta_fallback.py`` on small modules
+of our own.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from test_real_models import GIB, measured_planned_peak, reference, train_planne
 from torch import nn
 
 from lightning_sac import ProfilingError, profile_model, solve_plan
-from lightning_sac.measure import measure_training_step
-from lightning_sac.profiling.meta_fallback import grouped_mm_flops
-from lightning_sac.profiling.moe_routing import even_split, routing_bound_bytes
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.values.meta_fallback import grouped_mm_flops
+from lightning_sac.dryrun.values.moe_routing import even_split, routing_bound_bytes
 
 MOE = {"mixtral_grouped_mm": "grouped_mm", "olmoe_eager": "eager"}
 

@@ -17,15 +17,15 @@ from conftest import adamw
 from zoo import gpt2
 
 from lightning_sac import profile_model, solve_plan
+from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.apply import apply_plan
-from lightning_sac.apply.sac import sac_sees_outputs
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import default_loss
 from lightning_sac.errors import LightningSACError
-from lightning_sac.measure import measure_training_step
-from lightning_sac.plan import ModuleDecision, Plan
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.recompute import recompute_ms, recompute_transient, recomputed_ops, skipped_ops
+from lightning_sac.plan.decisions import ModuleDecision, Plan
 from lightning_sac.solver.masks import mask_fixed_ms, mask_unit, masked_view, realize
-from lightning_sac.tradeoff import effective_memory
+from lightning_sac.solver.recompute import recompute_ms, recompute_transient, recomputed_ops, skipped_ops
+from lightning_sac.solver.tradeoff import effective_memory
 
 GIB = 2**30
 

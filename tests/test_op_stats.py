@@ -149,7 +149,7 @@ class _Clock:
 
 
 def test_benchmark_keeps_the_fastest_of_at_least_three_repeats_until_enough_time_was_measured(monkeypatch):
-    from lightning_sac.profiling import runtime
+    from lightning_sac.dryrun import runtime
 
     x = torch.ones(64, 64)
     out = torch.relu(x)
@@ -176,7 +176,7 @@ def test_benchmark_keeps_the_fastest_of_at_least_three_repeats_until_enough_time
 def test_benchmark_times_ops_through_their_out_overload_with_the_same_outputs():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_sac.profiling.runtime import _out_variant
+    from lightning_sac.dryrun.runtime import _out_variant
 
     aten = torch.ops.aten
     with FakeTensorMode():

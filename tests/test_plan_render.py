@@ -7,7 +7,7 @@ import random
 import re
 
 from lightning_sac import ModuleDecision, Plan
-from lightning_sac.plan_render import LEGEND, choose_unit, render_plan_table
+from lightning_sac.plan.table import LEGEND, choose_unit, render_plan_table
 
 GIB, MIB = 2**30, 2**20
 # The summary's peak line: with the plan, the budget, without a plan; all in one unit.

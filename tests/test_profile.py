@@ -10,7 +10,7 @@ from conftest import GPT_CONFIG, adamw, conv_case, gpt_case, mlp_case
 from torch import nn
 
 from lightning_sac import DeviceSpec, ModelProfile, get_device_spec, profile_model
-from lightning_sac.profiling import CATEGORIES, PHASES
+from lightning_sac.dryrun import CATEGORIES, PHASES
 
 
 def gpt_param_numels(c=GPT_CONFIG) -> dict[str, list[int]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_sac.quiet import QuietProfile, filtered_native_stderr, is_profiler_chatter
+from lightning_sac.dryrun.measured import QuietProfile, filtered_native_stderr, is_profiler_chatter
 
 CHATTER = "USDT:2026-11-23 12:20:27 17888:17888 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
 

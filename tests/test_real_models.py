@@ -18,8 +18,8 @@ import torch
 from zoo import FAMILIES, Family
 
 from lightning_sac import BudgetError, ModelProfile, Plan, apply_plan, profile_model, solve_plan
-from lightning_sac.measure import measure_training_step
-from lightning_sac.profiling.step import model_inputs, model_loss
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import model_inputs, model_loss
 
 GIB = 2**30
 PLANNED = ["gpt2", "llama", "llama_lora", "bert", "t5", "resnet", "lstm", "self_checkpointing"]

@@ -15,11 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
 from lightning_sac.apply import apply_plan
-from lightning_sac.apply.graph_ac import _graph
-from lightning_sac.profiling.ops import is_sac_ignored, op_name
+from lightning_sac.apply.graph.backend import _graph
+from lightning_sac.dryrun.step import default_loss
+from lightning_sac.ops.aten import is_sac_ignored, op_name
 from lightning_sac.profiling.overhead import measure_backend_overheads
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.recompute import (
+from lightning_sac.solver import find_candidates
+from lightning_sac.solver.recompute import (
     fixed_overhead_ms,
     overhead_ms,
     recompute_costs,
@@ -27,7 +28,6 @@ from lightning_sac.recompute import (
     recomputed_ops,
     skipped_ops,
 )
-from lightning_sac.solver.milp import find_candidates
 
 GIB = 2**30
 

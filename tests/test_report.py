@@ -14,8 +14,8 @@ from test_callback import CONFIG, module, tight_budget_gb  # noqa: F401 - shared
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_sac import AutoSAC, solve_plan
-from lightning_sac.cli import main
-from lightning_sac.measure import peak_from_events
+from lightning_sac.cli.main import main
+from lightning_sac.dryrun.measured import peak_from_events
 from lightning_sac.report import TAG, log_plan
 from lightning_sac.report.figure_data import top_modules
 

@@ -15,8 +15,8 @@ from torch.profiler import profile as torch_profile
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_sac import solve_plan
-from lightning_sac.measure import memory_timeline
-from lightning_sac.plan_render import plan_unit
+from lightning_sac.dryrun.measured import memory_timeline
+from lightning_sac.plan.table import plan_unit
 from lightning_sac.report import TAG, log_measured
 from lightning_sac.report.figure_data import module_memory, step_memory
 from lightning_sac.report.figures import (
@@ -26,7 +26,7 @@ from lightning_sac.report.figures import (
     tradeoff_figure,
 )
 from lightning_sac.solver.memory_model import ddp_bucket_bytes, device_bytes
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.solver.tradeoff import module_tradeoff
 
 GIB = 2**30
 WORLD = 4

@@ -13,7 +13,7 @@ import pytest
 from test_real_models import measured_planned_peak, reference, train_planned
 
 from lightning_sac import solve_plan
-from lightning_sac.apply.recompute import recomputed_ops
+from lightning_sac.solver.recompute import recomputed_ops
 
 GIB = 2**30
 BUFFER = "aten.zeros_like.default"

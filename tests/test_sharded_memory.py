@@ -17,9 +17,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_sac.devices import get_device_spec
-from lightning_sac.profiling.data import ModelProfile, TimelineEvent
+from lightning_sac.dryrun.data import ModelProfile, TimelineEvent
 from lightning_sac.sharding import FSDPUnit, ShardedLayout, sharded_layout
-from lightning_sac.sharding.memory import ShardedStep
+from lightning_sac.solver.sharded_memory import ShardedStep
 
 F32 = 4
 

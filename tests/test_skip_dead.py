@@ -20,9 +20,9 @@ from zoo import gpt2
 from lightning_sac import profile_model, solve_plan
 from lightning_sac.apply import apply_plan
 from lightning_sac.apply.skip_dead import SkipDeadOps
-from lightning_sac.plan import ModuleDecision, Plan
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.recompute import recompute_costs, recompute_ms, recomputed_ops, skipped_ops
+from lightning_sac.dryrun.step import default_loss
+from lightning_sac.plan.decisions import ModuleDecision, Plan
+from lightning_sac.solver.recompute import recompute_costs, recompute_ms, recomputed_ops, skipped_ops
 
 GIB = 2**30
 

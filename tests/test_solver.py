@@ -9,9 +9,9 @@ import torch
 from conftest import gpt_profile as shared_gpt_profile
 
 from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, solve_plan
-from lightning_sac.device_reserve import DeviceReserve, device_reserve
 from lightning_sac.devices import get_device_spec
-from lightning_sac.profiling.data import TimelineEvent, empty_snapshot
+from lightning_sac.dryrun.data import TimelineEvent, empty_snapshot
+from lightning_sac.plan.reserve import DeviceReserve, device_reserve
 from lightning_sac.solver.memory_model import device_bytes
 
 MIB = 2**20

@@ -17,9 +17,7 @@ import pytest
 from conftest import gpt_profile
 
 from lightning_sac import ModelProfile, ModuleOpStats
-from lightning_sac.apply.recompute import recompute_costs, recompute_transient
 from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
-from lightning_sac.sharding.memory import ShardedStep
 from lightning_sac.solver import knapsack
 from lightning_sac.solver.candidates import _Transient, _transient_line, find_candidates, related
 from lightning_sac.solver.highs import new_highs
@@ -31,8 +29,10 @@ from lightning_sac.solver.memory_model import (
     device_model,
     memory_constraints,
 )
+from lightning_sac.solver.recompute import recompute_costs, recompute_transient
 from lightning_sac.solver.rows import MIB, add_candidates, clean, memory_rows, related_pairs
-from lightning_sac.tradeoff import effective_memory, module_tradeoff
+from lightning_sac.solver.sharded_memory import ShardedStep
+from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff
 
 
 @pytest.fixture(scope="module", params=["cpu", "H100-SXM"])

@@ -12,13 +12,13 @@ from torch import nn
 from zoo import FAMILIES, gpt2, self_checkpointing
 
 from lightning_sac import BudgetError, apply_plan, optimal_op_policy, profile_model, solve_plan
-from lightning_sac.caches import is_kv_cache, without_kv_caches
+from lightning_sac.adapters.caches import is_kv_cache, without_kv_caches
 from lightning_sac.demos import ConvNet
-from lightning_sac.measure import measure_training_step
-from lightning_sac.profiling.ops import mutated_tensors
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.solver.milp import find_candidates
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import default_loss
+from lightning_sac.ops.aten import mutated_tensors
+from lightning_sac.solver import find_candidates
+from lightning_sac.solver.tradeoff import module_tradeoff
 
 GIB = 2**30
 aten = torch.ops.aten

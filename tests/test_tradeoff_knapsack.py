@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lightning_sac import ModuleOpStats, greedy_op_policy, optimal_op_policy
-from lightning_sac.tradeoff import effective_memory, module_tradeoff
+from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff
 
 
 def toy(force_store_random: bool = False) -> ModuleOpStats:

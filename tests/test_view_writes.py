@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_sac import ModuleDecision, Plan, profile_model
 from lightning_sac.apply import apply_plan
-from lightning_sac.apply.graph_ac import save_recompute_policy
-from lightning_sac.apply.recompute import recomputed_ops
+from lightning_sac.apply.graph.backend import save_recompute_policy
+from lightning_sac.solver.recompute import recomputed_ops
 
 D = 8
 

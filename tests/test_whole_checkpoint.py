@@ -2,7 +2,7 @@
 
 A plain checkpoint has no dispatch mode to see a call's ops, so each kind of call runs once under the policy
 first (:mod:`lightning_sac.apply.sac`). The recompute's rise above the plain activations
-(:func:`lightning_sac.recompute.recompute_transient`) and the generator state a CPU checkpoint stashes are
+(:func:`lightning_sac.solver.recompute.recompute_transient`) and the generator state a CPU checkpoint stashes are
 checked against torch.profiler's allocator events of a real step.
 """
 
@@ -20,12 +20,12 @@ from lightning_sac import BudgetError, profile_model, solve_plan
 from lightning_sac.apply import apply_plan
 from lightning_sac.apply.sac import runs_whole
 from lightning_sac.demos import ConvNet
-from lightning_sac.measure import measure_training_step
-from lightning_sac.plan import ModuleDecision, Plan
-from lightning_sac.profiling.step import default_loss
-from lightning_sac.recompute import recompute_transient
+from lightning_sac.dryrun.measured import measure_training_step
+from lightning_sac.dryrun.step import default_loss
+from lightning_sac.plan.decisions import ModuleDecision, Plan
+from lightning_sac.solver import find_candidates
 from lightning_sac.solver.memory_model import checkpoint_state_bytes, memory_constraints, peak_with_plan
-from lightning_sac.solver.milp import find_candidates
+from lightning_sac.solver.recompute import recompute_transient
 
 GIB = 2**30
 

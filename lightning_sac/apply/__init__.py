@@ -1,4 +1,9 @@
-"""``apply_plan``: make a model checkpoint the way a :class:`~lightning_sac.plan.Plan` says, reversibly."""
+"""``apply_plan``: make a model checkpoint the way a :class:`~lightning_sac.plan.Plan` says, reversibly.
+
+Takes a model and a plan; gives a :class:`PlanHandle` whose wrappers run each planned module under the SAC backend
+(``torch.utils.checkpoint`` with a selective policy) or the graph backend (:mod:`lightning_sac.apply.graph`), and
+whose ``remove()`` gives the model back exactly as it was.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,18 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_sac.adapters import CacheCall, CacheSwitch, traced_module
 from lightning_sac.apply.fsdp_hooks import bracket_fsdp_units
-from lightning_sac.apply.recompute import check_backend
-from lightning_sac.caches import CacheCall, CacheSwitch
-from lightning_sac.compiled import traced_module
-from lightning_sac.sharding.layout import clean_fqn, is_sharded
+from lightning_sac.apply.planned import Notices
+from lightning_sac.apply.sac import SelectiveCheckpointForward, runs_whole, whole_checkpoints
+from lightning_sac.plan import check_backend
+from lightning_sac.sharding import clean_fqn, is_sharded
 
 if TYPE_CHECKING:
-    from lightning_sac.apply.planned import Notices
     from lightning_sac.plan import Plan
 
-# The wrappers (planned.py, sac.py, graph_ac.py) import lightning_sac.plan, which imports the profiler, which
-# imports lightning_sac.apply.recompute: importing them here would make `import lightning_sac.plan` circular.
-# They are imported by apply_plan when it runs.
 
-__all__ = ["PlanHandle", "apply_plan"]
+__all__ = ["PlanHandle", "apply_plan", "runs_whole", "whole_checkpoints"]
 
 
 @dataclass
@@ -85,7 +87,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
     do not change. A plan that replaces the model's own Hugging Face checkpointing
     (:attr:`Plan.replaces_checkpointing`) turns those ``gradient_checkpointing`` flags off; ``remove()`` turns
     them back on. A plan profiled without KV caches (:attr:`Plan.kv_cache_off`) runs the model without them in
-    training, as profiled and as Hugging Face's own checkpointing does (:mod:`lightning_sac.caches`), and says so
+    training, as profiled and as Hugging Face's own checkpointing does (:mod:`lightning_sac.adapters.caches`), and says
+    so
     once; ``remove()`` ends that too.
 
     A compiled model (``torch.compile(model)``, ``model.compile()``, or a compiled LightningModule) can have the
@@ -102,7 +105,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
         model: The model the plan was made for.
         plan: The plan.
         backend: ``"sac"`` (``torch.utils.checkpoint`` with selective policies) or ``"graph"``
-            (:mod:`lightning_sac.apply.graph_ac`, graph-based recomputation); default the plan's ``backend``, the one
+            (:mod:`lightning_sac.apply.graph`, graph-based recomputation); default the plan's ``backend``, the one
             its predicted recompute is for. Another one frees the same memory at another recompute cost.
 
     Raises:
@@ -134,9 +137,6 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
             if getattr(modules[fqn], "gradient_checkpointing", None) is True:
                 modules[fqn].__dict__["gradient_checkpointing"] = False
                 handle._flags_off.append(modules[fqn])
-        from lightning_sac.apply.planned import Notices
-        from lightning_sac.apply.sac import SelectiveCheckpointForward
-
         notices = Notices()
         if plan.kv_cache_off:
             handle._caches = CacheSwitch(model, lambda fqn, call: _said_caches_off(notices, fqn, call)).__enter__()
@@ -151,7 +151,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
             if backend == "sac":
                 wrapper: Any = SelectiveCheckpointForward(module, fqn, decision, notices)
             else:
-                from lightning_sac.apply.graph_ac import GraphCheckpointForward
+                from lightning_sac.apply.graph.backend import GraphCheckpointForward
 
                 wrapper = GraphCheckpointForward(module, fqn, decision, notices)
             module.__dict__["forward"] = wrapper

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_sac.sharding.layout import is_fsdp_hook
+from lightning_sac.sharding import is_fsdp_hook
 
 __all__ = ["bracket_fsdp_units", "in_fsdp_hook"]
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from lightning_sac.adapters import CacheCall, layer_indices, without_kv_caches
 from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
 from lightning_sac.apply.traced import TraceReport, traced_contexts
-from lightning_sac.caches import CacheCall, layer_indices, without_kv_caches
+from lightning_sac.ops import flat_tensors, is_random, mutated_tensors, op_name
 from lightning_sac.plan import ModuleDecision
-from lightning_sac.profiling.ops import flat_tensors, is_random, mutated_tensors, op_name
 
 __all__ = ["CallState", "Notices", "PlannedForward", "bound"]
 
@@ -108,7 +108,7 @@ class PlannedForward:
 
     In training, a call with an empty KV cache runs without it (``use_cache=False``), as Hugging Face's
     checkpointing does, and one with a cache that already holds tokens runs plainly, unplanned, said once (see
-    :mod:`lightning_sac.caches`). Subclasses run the forward under their backend.
+    :mod:`lightning_sac.adapters.caches`). Subclasses run the forward under their backend.
 
     Args:
         module: The module whose forward is wrapped.

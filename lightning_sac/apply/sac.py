@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,14 +24,15 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.apply.planned import CallState, PlannedForward, bound
 from lightning_sac.apply.skip_dead import SkipDeadOps
 from lightning_sac.errors import LightningSACError
 from lightning_sac.plan import ModuleDecision
 
-__all__ = ["SelectiveCheckpointForward", "runs_whole", "sac_sees_outputs", "whole_checkpoints"]
+__all__ = ["SelectiveCheckpointForward", "runs_whole", "whole_checkpoints"]
 
 _WHOLE = contextvars.ContextVar("lightning_sac_whole_checkpoints", default=True)
 # Kinds of call remembered per module; past it the memory starts over (each kind is then observed once more).
@@ -65,15 +65,6 @@ def whole_checkpoints(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _WHOLE.reset(token)
-
-
-def sac_sees_outputs() -> bool:
-    """Whether this torch passes each op's output to a selective-checkpoint policy (``ctx.op_output``).
-
-    torch 2.12 added it; before, the policy is asked before the op runs. Without it the backend still applies any
-    plan but one that keeps dropout noise as masks, which must see the noise it keeps.
-    """
-    return "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
 
 
 def runs_whole(module: nn.Module, decision: ModuleDecision) -> bool:

@@ -1,4 +1,4 @@
-"""Skipping, in a SAC recompute, the ops whose values nothing needs (:func:`~lightning_sac.recompute.skipped_ops`).
+"""Skipping, in a SAC recompute, the ops whose values nothing needs (``solver.recompute.skipped_ops``).
 
 ``torch.utils.checkpoint`` reruns a module's forward in order up to its early stop, every op of it, even one
 whose output only gives another op its shape: on a CPU, ``F.dropout`` draws its noise into
@@ -28,8 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 
 from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
-from lightning_sac.profiling.noise import MASKABLE_OPS
-from lightning_sac.profiling.ops import is_random, is_sac_ignored, op_name
+from lightning_sac.ops import MASKABLE_OPS, is_random, is_sac_ignored, op_name
 
 __all__ = ["SkipDeadOps", "placeholder"]
 

@@ -25,15 +25,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_sac.profiling.ops import op_name
-
-if TYPE_CHECKING:
-    from lightning_sac.apply.planned import PlannedForward
+from lightning_sac.ops import op_name
 
 __all__ = ["TraceReport", "traced_contexts"]
 
@@ -149,12 +146,27 @@ def _tagging() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
-def traced_contexts(forward: PlannedForward) -> Callable[[], tuple[Any, Any]]:
+class PlannedCalls(Protocol):
+    """What :func:`traced_contexts` asks of a planned module (:class:`~lightning_sac.apply.planned.PlannedForward`)."""
+
+    names: list[str]
+    save: list[bool]
+
+    def begin(self) -> Any: ...  # noqa: D102
+
+    def decide(self, state: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any: ...  # noqa: D102
+
+    def finish(self, state: Any) -> None: ...  # noqa: D102
+
+    def finish_trace(self, report: TraceReport) -> None: ...  # noqa: D102
+
+
+def traced_contexts(forward: PlannedCalls) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` of ``forward``'s checkpoint under compile, made once, outside any compiled code.
 
     Compiling, its policy is a fresh :class:`_TraceMatch` per call, reported when the call tagged a graph. If
     dynamo runs the checkpoint eagerly instead (a graph break inside the module), it is the eager per-call policy
-    of :meth:`PlannedForward.decide`.
+    of :meth:`~lightning_sac.apply.planned.PlannedForward.decide`.
     """
 
     def contexts() -> tuple[Any, Any]:

@@ -1,23 +1,14 @@
-"""The fake-tensor dry run of one training step and the profile it produces."""
+"""``profile_model`` and ``profile_step``: the dry run of a training step, calibrated on this host.
 
-from lightning_sac.profiling.data import (
-    CATEGORIES,
-    PHASES,
-    ModelProfile,
-    ModuleOpStats,
-    ModuleProfile,
-    TimelineEvent,
-)
-from lightning_sac.profiling.dry_run import profile_model
-from lightning_sac.profiling.render import render_profile
+Takes what :mod:`lightning_sac.dryrun` takes; gives its profile, with what applying a plan costs here measured when
+the step is timed here (``estimate="benchmark"``). It runs the appliers, so it sits above them.
+"""
+
+from __future__ import annotations
+
+from lightning_sac.profiling.profile import profile_model, profile_step
 
 __all__ = [
-    "CATEGORIES",
-    "PHASES",
-    "ModelProfile",
-    "ModuleOpStats",
-    "ModuleProfile",
-    "TimelineEvent",
     "profile_model",
-    "render_profile",
+    "profile_step",
 ]

@@ -17,13 +17,13 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 
 * ``fixed_ms``: the keep-all step minus the plain one: what wrapping costs whatever the policy;
 * ``recompute_factor``: the recompute-all backward minus the keep-all one, over the recompute the profile
-  predicts for that policy (:func:`lightning_sac.recompute.recompute_ms`): how much slower the rerun is for
+  predicts for that policy (:func:`lightning_sac.solver.recompute.recompute_ms`): how much slower the rerun is for
   real (0.9-1.1 on a GPT block here);
 * for SAC, when the module's most-discarding policy saves nothing, a third, ``whole_ms``: what that policy
   costs in all (recompute included) when it runs as the plain checkpoint it is applied as
   (:mod:`lightning_sac.apply.sac`), without the selective policy's dispatch modes.
 
-A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.recompute.overhead_ms`).
+A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.solver.recompute.overhead_ms`).
 Modules are measured once per class, parameter shapes and input signature, in interleaved rounds, fastest of
 each. Not measured (the per-op figures apply): modules called more than once, modules whose forward and
 backward take more than half the step (the root: it would double the profile's time), and models whose
@@ -39,75 +39,21 @@ import math
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-from lightning_sac.apply.recompute import BACKENDS, recompute_ms, skipped_ops
-from lightning_sac.profiling.data import ModuleProfile
+from lightning_sac.dryrun import ModuleProfile, materialize, tensors_of
+from lightning_sac.plan import BACKENDS
 from lightning_sac.profiling.overhead import whole_module_plan
-from lightning_sac.profiling.runtime import real_tensor
-from lightning_sac.profiling.step import tensors_of
+from lightning_sac.solver import recompute_ms, skipped_ops
 
-__all__ = ["Opaque", "TensorSpec", "calibrate_modules", "input_spec"]
+__all__ = ["calibrate_modules"]
 
 # The interleaved measurement runs one warm-up round, then rounds until at least _MIN_ROUNDS and _MIN_SECONDS
 # (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the fastest counts.
 _MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 6, 20, 0.5
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What it takes to build a real tensor like a profiled (fake) one."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    requires_grad: bool
-
-    def materialize(self) -> torch.Tensor:
-        """A real CPU tensor of this layout with valid synthetic values (see ``runtime.real_tensor``)."""
-        t = real_tensor(self.shape, self.stride, self.offset, self.dtype)
-        # detach: a leaf of the same layout, so that its .grad can be reset between runs
-        return t.detach().requires_grad_() if self.requires_grad else t
-
-
-@dataclass(frozen=True)
-class Opaque:
-    """An argument that is neither a tensor nor a plain value (a KV cache, a config object): only its type."""
-
-    type_name: str
-
-
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.memory_format, slice)
-
-
-def input_spec(value: Any) -> Any:
-    """``value`` (a module's ``(args, kwargs)``) with every tensor replaced by its :class:`TensorSpec`.
-
-    Only metadata is kept: holding the fake tensors themselves would keep them alive in the memory profile, and so
-    would holding an object that references tensors (a KV cache), which becomes an :class:`Opaque`.
-    """
-
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return TensorSpec(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, x.requires_grad)
-        return x if isinstance(x, _PLAIN) else Opaque(type(x).__name__)
-
-    return tree_map(spec, value)
-
-
-def _materialize(spec: Any) -> Any:
-    def real(x: Any) -> Any:
-        if isinstance(x, Opaque):
-            raise ValueError(f"it takes a {x.type_name} argument, which synthetic inputs cannot stand in for")
-        return x.materialize() if isinstance(x, TensorSpec) else x
-
-    return tree_map(real, spec)
 
 
 def _is_real_cpu(module: nn.Module) -> bool:
@@ -171,9 +117,8 @@ def _measure(
     autocast_dtype: torch.dtype | None,
 ) -> dict[str, list[float]]:
     # The appliers and the knapsack import the profiler's data model: imported here to avoid a cycle.
-    from lightning_sac.apply import apply_plan
-    from lightning_sac.apply.sac import runs_whole, whole_checkpoints
-    from lightning_sac.solver.knapsack import least_kept_policy
+    from lightning_sac.apply import apply_plan, runs_whole, whole_checkpoints
+    from lightning_sac.solver import least_kept_policy
 
     stats = prof.op_stats
     assert stats is not None  # checked by the caller
@@ -200,7 +145,7 @@ def _measure(
     # Every apply makes a new wrapper, which would warn about a mismatch once each: a mismatch raises instead.
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args, kwargs = _materialize(spec)
+        args, kwargs = materialize(spec)
         start, rounds = time.perf_counter(), -1  # round -1 warms up
         while rounds < _MIN_ROUNDS or (time.perf_counter() - start < _MIN_SECONDS and rounds < _MAX_ROUNDS):
             rounds += 1

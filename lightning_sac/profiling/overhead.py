@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_sac.apply.recompute import BACKENDS
-from lightning_sac.profiling.ops import is_sac_ignored, op_name
+from lightning_sac.ops import is_sac_ignored, op_name
+from lightning_sac.plan import BACKENDS
 
 if TYPE_CHECKING:
     from lightning_sac.plan import Plan
@@ -97,7 +97,7 @@ def measure_backend_overheads(n_ops: int = 64, repeats: int = 15) -> dict[str, B
 def whole_module_plan(op_names: list[str], policy: list[int], skipped: list[int] | None = None) -> Plan:
     """A plan that wraps the root (``""``) of a module with ``policy``: to time a backend on one module.
 
-    ``skipped`` are the ops the SAC backend's recompute skips (:func:`lightning_sac.recompute.skipped_ops`).
+    ``skipped`` are the ops the SAC backend's recompute skips (:func:`lightning_sac.solver.recompute.skipped_ops`).
     """
     from lightning_sac.plan import ModuleDecision, Plan  # the plan imports the profiler's data model
 

@@ -1,5 +1,18 @@
-"""Reports of a plan: matplotlib figures and TensorBoard panels."""
+"""Reports of a plan: its figures (matplotlib), TensorBoard panels, and the profile's table.
 
+Takes a profile, a plan and measured steps; gives what a user reads: trade-off curves, memory predicted beside
+measured, the plan's table, per-module profile rows.
+"""
+
+from __future__ import annotations
+
+from lightning_sac.report.profile_table import render_profile
 from lightning_sac.report.tensorboard import TAG, log_measured, log_plan, plan_markdown
 
-__all__ = ["TAG", "log_measured", "log_plan", "plan_markdown"]
+__all__ = [
+    "TAG",
+    "log_measured",
+    "log_plan",
+    "plan_markdown",
+    "render_profile",
+]

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_sac.plan import Plan
-from lightning_sac.plan_render import ByteUnit, choose_unit, separating_unit
-from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.solver.memory_model import activation_windows, device_model
-from lightning_sac.solver.milp import find_candidates
+from lightning_sac.dryrun import ModelProfile
+from lightning_sac.plan import ByteUnit, Plan, choose_unit, separating_unit
+from lightning_sac.solver import activation_windows, device_model, find_candidates
 
 __all__ = [
     "ModuleBars",

@@ -4,7 +4,7 @@ Each function returns a ``matplotlib.figure.Figure`` built with the object API (
 figures can be made from any thread and handed to TensorBoard's ``add_figure``. The numbers come from
 :mod:`lightning_sac.report.figure_data`.
 
-Memory is in the unit of the plan table (:mod:`lightning_sac.plan_render`): MiB or GiB by size, with the
+Memory is in the unit of the plan table (:mod:`lightning_sac.plan.table`): MiB or GiB by size, with the
 same decimals as the console, so the two read alike.
 
 TensorBoard shows an image scaled to the width of its card, about 400 to 500 pixels: figures are 640 pixels
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_sac.measure import TIMELINE_CATEGORIES, MemoryTimeline
-from lightning_sac.plan import Plan
-from lightning_sac.plan_render import ByteUnit, plan_unit
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun import TIMELINE_CATEGORIES, MemoryTimeline, ModelProfile
+from lightning_sac.plan import ByteUnit, Plan, plan_unit
 from lightning_sac.report.figure_data import ModuleBars, measured_unit, module_memory, step_memory
-from lightning_sac.tradeoff import ModuleTradeoff
+from lightning_sac.solver import ModuleTradeoff
 
 __all__ = [
     "measured_timeline_figure",
@@ -148,7 +146,7 @@ def step_memory_figure(profile: ModelProfile, plan: Plan) -> Any:
     """Predicted memory on one device across the step, without and with the plan, against the budget.
 
     Both curves use the plan's world size and sharding (:func:`~lightning_sac.report.figure_data.step_memory`);
-    memory is in the unit of the plan table (:func:`~lightning_sac.plan_render.plan_unit`).
+    memory is in the unit of the plan table (:func:`~lightning_sac.plan.table.plan_unit`).
     """
     data = step_memory(profile, plan)
     unit = plan_unit(plan)

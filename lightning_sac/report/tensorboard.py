@@ -13,12 +13,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from lightning_sac.measure import MemoryTimeline
-from lightning_sac.plan import Plan
-from lightning_sac.plan_render import plan_unit
-from lightning_sac.profiling.data import ModelProfile
+from lightning_sac.dryrun import MemoryTimeline, ModelProfile
+from lightning_sac.plan import Plan, plan_unit
 from lightning_sac.report.figure_data import measured_unit, top_modules
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.solver import module_tradeoff
 
 __all__ = ["TAG", "log_measured", "log_plan", "measured_markdown", "plan_markdown"]
 

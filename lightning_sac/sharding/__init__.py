@@ -1,5 +1,29 @@
-"""Sharded training (FSDP2 and FSDP1): the units a model is sharded into, and what they hold on one rank."""
+"""Sharded training (FSDP2 and FSDP1): the units a model is sharded into, and a sharded model seen unsharded.
 
-from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout, clean_fqn, is_sharded, sharded_layout
+Takes a model wrapped by FSDP (or not); gives its units and the unsharded view the dry run profiles and a plan's
+fingerprint names. What each rank then holds is the solver's (:mod:`lightning_sac.solver.sharded_memory`).
+"""
 
-__all__ = ["FSDPUnit", "ShardedLayout", "clean_fqn", "is_sharded", "sharded_layout"]
+from __future__ import annotations
+
+from lightning_sac.sharding.layout import (
+    FSDPUnit,
+    ShardedLayout,
+    clean_fqn,
+    is_fsdp_hook,
+    is_sharded,
+    sharded_layout,
+    unsharded_structure,
+)
+from lightning_sac.sharding.unsharded import unsharded_memo
+
+__all__ = [
+    "FSDPUnit",
+    "ShardedLayout",
+    "clean_fqn",
+    "is_fsdp_hook",
+    "is_sharded",
+    "sharded_layout",
+    "unsharded_memo",
+    "unsharded_structure",
+]

@@ -2,7 +2,7 @@
 
 The dry run must see the model's own compute on parameters of their global shapes, without FSDP: its
 collectives need the other ranks, and its gathers, frees and reduce-scatters are the sharded memory model's
-business (:mod:`lightning_sac.sharding.memory`), not the recorder's. So the copy is of the modules as they were
+business (:mod:`lightning_sac.solver.sharded_memory`), not the recorder's. So the copy is of the modules as they were
 before sharding: FSDP2's ``FSDP<Class>`` modules become their own class again without FSDP's hooks and state,
 FSDP1's wrappers are replaced by the modules they wrap, and every parameter (a ``DTensor`` shard, or a view into
 FSDP1's flat parameter) becomes a fake tensor of its global shape and dtype. The user's model is never touched.

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_sac.apply.recompute import output_indices, recompute_transient, rerun_output_bytes
-from lightning_sac.profiling.data import ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.dryrun import ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.solver.masks import masked_view
 from lightning_sac.solver.memory_model import activation_windows
-from lightning_sac.tradeoff import ModuleTradeoff, module_tradeoff
+from lightning_sac.solver.recompute import output_indices, recompute_transient, rerun_output_bytes
+from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 
 __all__ = [
     "Candidate",
@@ -35,7 +35,7 @@ class Candidate:
         window: Timeline indices of its forward's end and its backward's start.
         retained: Activation bytes its forward leaves alive without checkpointing, its output excluded.
         transient: What a recompute of it holds at once besides its activations, with every op rerun: the bound
-            (:func:`~lightning_sac.recompute.recompute_transient`; a plan's prediction uses its policy's).
+            (:func:`~lightning_sac.solver.recompute.recompute_transient`; a plan's prediction uses its policy's).
         transient_line: ``(bytes, bytes per unit of discard ratio)``: a line through that quantity along the
             trade-off's order, never above ``transient`` within the module's discard range, which the solver
             plans with first (the bound is the fallback when a plan's own figures exceed the budget).
@@ -149,7 +149,7 @@ def _transient_line(stats: ModuleOpStats, tradeoff: ModuleTradeoff, bound: int, 
     From the transient with nothing discarded, the lowest slope (negative when discarding lowers it) that
     reaches its value at each point of the greedy order, capped so that the line reaches ``bound`` (the
     transient with everything discarded) by the largest discard ratio. The transient
-    at each point is :func:`~lightning_sac.recompute.recompute_transient` of the policy there, kept up to date
+    at each point is :func:`~lightning_sac.solver.recompute.recompute_transient` of the policy there, kept up to date
     as each unit's ops turn to recompute (:class:`_Transient`) instead of recounted from scratch: that was
     quadratic in a module's ops, minutes for the root of an 80-layer model.
     """
@@ -175,7 +175,7 @@ def _line_inputs(stats: ModuleOpStats) -> tuple[list[Any], ...]:
 
 
 class _Transient:
-    """:func:`~lightning_sac.recompute.recompute_transient` of a policy that only ever turns ops to recompute.
+    """:func:`~lightning_sac.solver.recompute.recompute_transient` of a policy that only ever turns ops to recompute.
 
     That function follows the rerun op by op: ``alive[t]`` here is its running total once the rerun's events at
     index ``t`` are in (the saved temporaries, less the discarded activations not rebuilt by ``t``, plus the

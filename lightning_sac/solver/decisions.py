@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from lightning_sac.apply.recompute import (
+from lightning_sac.dryrun import ModelProfile
+from lightning_sac.plan import ModuleDecision
+from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
+from lightning_sac.solver.knapsack import optimal_op_policy
+from lightning_sac.solver.masks import masked_view, realize
+from lightning_sac.solver.memory_model import MemoryConstraint, peak_with_plan
+from lightning_sac.solver.recompute import (
     overhead_ms,
     recompute_ms,
     recompute_transient,
@@ -10,13 +16,7 @@ from lightning_sac.apply.recompute import (
     skipped_ops,
     whole_overhead_ms,
 )
-from lightning_sac.plan import ModuleDecision
-from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
-from lightning_sac.solver.knapsack import optimal_op_policy
-from lightning_sac.solver.masks import masked_view, realize
-from lightning_sac.solver.memory_model import MemoryConstraint, peak_with_plan
-from lightning_sac.tradeoff import effective_memory
+from lightning_sac.solver.tradeoff import effective_memory
 
 __all__ = ["plan_decisions", "plan_peak", "whole_costs"]
 

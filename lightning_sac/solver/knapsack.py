@@ -6,10 +6,10 @@ import math
 
 import highspy
 
-from lightning_sac.apply.recompute import recompute_costs
-from lightning_sac.profiling.data import ModuleOpStats
+from lightning_sac.dryrun import ModuleOpStats
 from lightning_sac.solver.highs import new_highs
-from lightning_sac.tradeoff import effective_memory, module_tradeoff, recompute_units
+from lightning_sac.solver.recompute import recompute_costs
+from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, recompute_units
 
 __all__ = ["greedy_op_policy", "least_kept_policy", "optimal_op_policy"]
 
@@ -41,12 +41,13 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str =
     decision and is saved when it is its own parent; an op reading a tensor before an in-place op overwrites it
     takes its maker's decision; stateful ops are saved; random ops are all saved or all
     recomputed (all saved when ``stats.force_store_random``). Memory is
-    :func:`~lightning_sac.tradeoff.effective_memory`.
+    :func:`~lightning_sac.solver.tradeoff.effective_memory`.
 
     Args:
         stats: The module's op statistics.
         memory_budget: Fraction of the module's op memory that may stay saved, in ``[0, 1]``.
-        backend: The backend whose recompute costs are weighed (:func:`~lightning_sac.recompute.recompute_costs`).
+        backend: The backend whose recompute costs are weighed
+        (:func:`~lightning_sac.solver.recompute.recompute_costs`).
 
     Returns:
         One decision per op: 1 = save, 0 = recompute.
@@ -116,7 +117,7 @@ def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
     """The policy that keeps the least of the module's op memory: everything recomputed but what must be saved.
 
     What must be saved (stateful ops such as BatchNorm's, in-place writes to tensors from outside the module,
-    forced random ops; see :func:`~lightning_sac.tradeoff.recompute_units`) may hold memory, so a budget of 0
+    forced random ops; see :func:`~lightning_sac.solver.tradeoff.recompute_units`) may hold memory, so a budget of 0
     can be infeasible; this one never is.
     """
     return optimal_op_policy(stats, _min_budget(stats), backend)

@@ -2,7 +2,7 @@
 
 A SAC policy keeps a module's random ops all saved or all recomputed (a recompute replays the generator from the
 checkpoint's start, so it must draw exactly the forward's draws). Saved, the noise of a CPU dropout is a
-floating tensor of zeros and ones (:mod:`lightning_sac.profiling.noise`); recomputed, it is drawn again, a costly
+floating tensor of zeros and ones (:mod:`lightning_sac.ops.noise`); recomputed, it is drawn again, a costly
 op. The SAC backend can instead keep each noise as a ``bool`` mask and, in recompute, rerun the ops around the
 draw and copy the mask back in its place (:mod:`lightning_sac.apply.skip_dead`): a quarter of the bytes (in fp32)
 for the time of a copy. As no random op then draws in recompute, all of them must be masked together.
@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_sac.apply.recompute import recompute_costs
-from lightning_sac.profiling.data import ModuleOpStats
-from lightning_sac.tradeoff import recompute_units
+from lightning_sac.dryrun import ModuleOpStats
+from lightning_sac.solver.recompute import recompute_costs
+from lightning_sac.solver.tradeoff import recompute_units
 
 __all__ = ["MaskUnit", "mask_fixed_ms", "mask_unit", "masked_view", "realize"]
 
@@ -31,7 +31,7 @@ class MaskUnit:
 
     Attributes:
         ops: Every op of the unit a policy saves or recomputes with the random ops (see
-            :func:`~lightning_sac.tradeoff.recompute_units`): the draws, the ops that made their tensors, and the
+            :func:`~lightning_sac.solver.tradeoff.recompute_units`): the draws, the ops that made their tensors, and the
             in-place ops on those.
         draws: The random ops, by index.
         makers: Per draw, the op that made the tensor it fills.

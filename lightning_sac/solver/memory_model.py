@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_sac.profiling.data import MemorySnapshot, ModelProfile, ModuleProfile
-from lightning_sac.sharding.memory import ShardedStep
+from lightning_sac.dryrun import MemorySnapshot, ModelProfile, ModuleProfile
+from lightning_sac.solver.sharded_memory import ShardedStep
 
 #: Bytes on one device at timeline index ``k`` given the unsharded snapshot there (see :func:`device_model`).
 OnDevice = Callable[..., int]
@@ -76,7 +76,7 @@ def device_model(profile: ModelProfile, world_size: int = 1, sharding: str = "re
     ``k`` is the timeline index and ``snapshot`` the unsharded profile's bytes there (the event's own with
     ``moment=True``, which adds what exists only at the event, or its interval's peak). Replicated: the snapshot
     plus DDP's buckets. Sharded with the model's FSDP units known (:attr:`ModelProfile.sharded`): what the
-    sharded memory model says (:class:`~lightning_sac.sharding.memory.ShardedStep`); sharded without them:
+    sharded memory model says (:class:`~lightning_sac.solver.sharded_memory.ShardedStep`); sharded without them:
     parameters, gradients and optimizer state divided by the world size.
     """
     if sharding == "sharded" and profile.sharded is not None:

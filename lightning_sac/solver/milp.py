@@ -8,19 +8,12 @@ from typing import Any
 
 import highspy
 
-from lightning_sac.apply.recompute import (
-    check_backend,
-    fixed_overhead_ms,
-)
-from lightning_sac.apply.sac import sac_sees_outputs
-from lightning_sac.device_reserve import device_reserve
+from lightning_sac.adapters import sac_sees_outputs
+from lightning_sac.dryrun import ModelProfile, profile_fingerprint, routing_bound_bytes
 from lightning_sac.errors import BudgetError
-from lightning_sac.plan import ModuleDecision, Plan, profile_fingerprint
-from lightning_sac.profiling.data import ModelProfile
-from lightning_sac.profiling.moe_routing import routing_bound_bytes
+from lightning_sac.plan import ModuleDecision, Plan, check_backend, device_reserve
 from lightning_sac.solver.candidates import (
     Candidate,
-    excluded_reason,
     find_candidates,
     more_candidates_hint,
     op_stats,
@@ -35,11 +28,11 @@ from lightning_sac.solver.memory_model import (
     memory_constraints,
     peak_with_plan,
 )
+from lightning_sac.solver.recompute import fixed_overhead_ms
 from lightning_sac.solver.rows import MIB as _MIB
 from lightning_sac.solver.rows import add_candidates, memory_rows
 
-# Candidate, excluded_reason and find_candidates are re-exported: callers found them here first.
-__all__ = ["Candidate", "excluded_reason", "find_candidates", "solve_plan"]
+__all__ = ["solve_plan"]
 
 _GIB = 2**30
 # Rows are in MiB (lightning_sac.solver.rows); HiGHS's feasibility tolerance (1e-7) is then well under a byte. A
@@ -123,7 +116,7 @@ def solve_plan(
             0.1% among near-identical blocks can take HiGHS tens of seconds on a 32-block model.
         backend: How the plan will be applied, ``"sac"`` or ``"graph"`` (:func:`~lightning_sac.apply_plan`).
             Memory is the same for both; the predicted recompute counts what that backend reruns
-            (:mod:`lightning_sac.recompute`).
+            (:mod:`lightning_sac.solver.recompute`).
         refine: On a model of at most :data:`REFINE_CANDIDATES` candidate modules, also solve with
             ``n_segments + 1`` lines per fit and keep the plan of the least predicted step (the first on a tie).
             The fits only approximate each module's trade-off curve, so another fit can find a plan that
@@ -153,7 +146,7 @@ def solve_plan(
             other, _ = _solve(profile, budget_gb, n, *args, m)
             if other.predicted_step_ms < plan.predicted_step_ms:
                 plan = other
-    if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (profiling/moe_routing.py)
+    if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (dryrun/values/moe_routing.py)
         activation = {c["module"]: profile.modules[c["module"]].activation_bytes for c in profile.routing}
         policies = {fqn: (d.op_policy, d.freed_bytes) for fqn, d in plan.decisions.items()}
         plan.routing_layers = len(profile.routing)
@@ -184,7 +177,7 @@ def _solve(
     if not budget_gb > 0:
         raise ValueError(f"budget_gb must be positive, got {budget_gb}.")
     reserve = device_reserve(profile, world_size)
-    # The step's tensors get what the device holds for nothing else (see lightning_sac.device_reserve).
+    # The step's tensors get what the device holds for nothing else (see lightning_sac.plan.reserve).
     budget = int(budget_gb * _GIB) - reserve.total
     cands = find_candidates(profile, candidates, n_segments, backend, masks)
     windows = {c.fqn: c.window for c in cands}

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from lightning_sac import ModelProfile, ModuleDecision, Plan
-from lightning_sac.caches import CacheSwitch
-from lightning_sac.profiling.step import model_inputs, tensors_of, training_step
-from lightning_sac.solver.milp import find_candidates
-from lightning_sac.tradeoff import module_tradeoff
+from lightning_sac.adapters.caches import CacheSwitch
+from lightning_sac.dryrun.step import model_inputs, tensors_of, training_step
+from lightning_sac.solver import find_candidates
+from lightning_sac.solver.tradeoff import module_tradeoff
 
 from .models import (
     GIB,
@@ -113,12 +113,12 @@ def outside_allocator_now() -> int:
 def run_steps(case: Case, precision: str, steps: int = 2, seed: int = SEED, caches: bool = True) -> StepRun:
     """Train ``case.model`` for ``steps`` real steps and measure the last one, as the dry run profiles it.
 
-    The step is the package's own :func:`~lightning_sac.profiling.step.training_step` (forward and loss, backward,
+    The step is the package's own :func:`~lightning_sac.dryrun.step.training_step` (forward and loss, backward,
     optimizer step, ``zero_grad(set_to_none=True)``), so profile and measurement run the same code. The first step
     creates AdamW's state; the last one, begun with that state and no gradients, is the one the dry run records.
     Step ``i`` draws its random numbers from seed ``seed + i``. ``caches=False`` runs the model without its KV
     caches (Hugging Face's ``use_cache``), as the dry run records it and as a plan runs it
-    (:class:`~lightning_sac.caches.CacheSwitch`, the package's own switch).
+    (:class:`~lightning_sac.adapters.caches.CacheSwitch`, the package's own switch).
     """
     model = case.model
     inputs = model_inputs(case.batch)

@@ -29,8 +29,8 @@ from torch import nn
 
 from lightning_sac import ModelProfile, get_device_spec, profile_model
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.profiling.dry_run import profile_step
-from lightning_sac.profiling.step import ComputeLoss, LossFn, model_inputs, model_loss
+from lightning_sac.dryrun.step import ComputeLoss, LossFn, model_inputs, model_loss
+from lightning_sac.profiling import profile_step
 
 __all__ = [
     "GIB",
@@ -164,8 +164,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def named_spec() -> DeviceSpec:
     """The device table's entry for the visible GPU (``"H100-SXM"`` for an H100 SXM): what a CPU box plans for."""
-    from lightning_sac.devices import _table_entry_for_driver_name
-    from lightning_sac.devices_table import FALLBACK_CUDA_ENTRY
+    from lightning_sac.devices.lookup import _table_entry_for_driver_name
+    from lightning_sac.devices.table import FALLBACK_CUDA_ENTRY
 
     return get_device_spec(_table_entry_for_driver_name(torch.cuda.get_device_name()) or FALLBACK_CUDA_ENTRY)
 

@@ -21,7 +21,7 @@ PATHS = ("cuda", "emulated")
 # 100-900 MiB here. 5% is between the best published estimator (LLMem: 1.6% on one GPU) and PyTorch's own
 # MemTracker tests (10%).
 ALLOCATED_TOLERANCE = 0.05
-# The caching allocator model (lightning_sac.profiling.cuda_allocator) replays the dry run's allocations and frees;
+# The caching allocator model (lightning_sac.dryrun.cuda.allocator) replays the dry run's allocations and frees;
 # the real allocator served two steps (the first creating AdamW's state in blocks freed by its activations) after the
 # model was moved to the GPU one tensor at a time. Reserved memory moves in whole segments (2 MiB small-pool ones, 20
 # MiB for large requests under 10 MiB), so one segment placed otherwise changes it by 20 MiB: 5% plus two such

@@ -1,6 +1,6 @@
 """Plans applied on the GPU: real steps within the budget, and bit-equal to the plain model's.
 
-A budget bounds all the device memory the process holds (:mod:`lightning_sac.device_reserve`): the step's tensors
+A budget bounds all the device memory the process holds (:mod:`lightning_sac.plan.reserve`): the step's tensors
 plus the reserve (CUDA context, cuBLAS workspaces, the allocator's fragmentation). The budget here leaves the
 tensors 70% of the plain step's measured peak (80% for the ResNet; in the profile's terms, see :mod:`harness`): the
 reserve plus that.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_sac import Plan, apply_plan, solve_plan
-from lightning_sac.device_reserve import device_reserve
+from lightning_sac.plan.reserve import device_reserve
 
 from .harness import (
     GIB,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_sac import apply_plan, graph_ac
+from lightning_sac import apply_plan
+from lightning_sac.apply import graph as graph_ac
 
 from .harness import (
     SEED,

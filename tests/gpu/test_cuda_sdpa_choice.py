@@ -1,6 +1,6 @@
 """The SDPA kernel the emulation picks for this GPU by name is the one CUDA picks on it.
 
-A machine without a GPU profiles a CUDA target's attention through :func:`lightning_sac.profiling.cuda_sdpa.
+A machine without a GPU profiles a CUDA target's attention through :func:`lightning_sac.dryrun.cuda.sdpa.
 choose_backend`, from the device table's compute capability and torch's switches. Here the same calls go to
 torch's own selection on the GPU (``torch._fused_sdp_choice``, what ``scaled_dot_product_attention`` asks), over
 dtypes, head dims, masks, causality, dropout, grouped-query heads and the deterministic-algorithms mode. A
@@ -15,7 +15,7 @@ import itertools
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_sac.profiling.cuda_sdpa import choose_backend
+from lightning_sac.dryrun.cuda.sdpa import choose_backend
 
 from .harness import deterministic
 from .models import named_spec

@@ -1,0 +1,173 @@
+"""The device table and lookups: :data:`DEVICE_SPECS`, :func:`get_device_spec` and :func:`detect_device`.
+
+The table is built from the datasheets of :mod:`lightning_sac.devices.table` (every GPU gets the CUDA/HIP
+allocator's rounding, the measured CUDA context and cuBLAS's workspace), plus this host's CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+import torch
+
+from lightning_sac.devices.spec import DeviceSpec, UnknownDeviceError
+from lightning_sac.devices.table import (
+    CPU_DRAM_GBPS,
+    CPU_TFLOPS,
+    CUDA_ALLOCATOR_ROUNDING,
+    CUDA_CONTEXT_BYTES,
+    DRIVER_NAME_PATTERNS,
+    FALLBACK_CUDA_ENTRY,
+    GPU_DATASHEETS,
+    blas_workspace_bytes,
+)
+
+__all__ = ["DEVICE_SPECS", "detect_device", "get_device_spec", "known_devices"]
+
+
+def _host_memory_gib() -> float:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        # os.sysconf is POSIX-only; a nominal 16 GiB keeps the table importable elsewhere.
+        return 16.0
+    return total / 2**30
+
+
+def _build_table() -> dict[str, DeviceSpec]:
+    # The figures and their sources are in devices_table; every GPU gets the CUDA/HIP allocator's rounding.
+    table = {
+        sheet.name: DeviceSpec(
+            name=sheet.name,
+            memory_gib=sheet.memory_gib,
+            tflops=dict(sheet.tflops),
+            dram_gbps=sheet.dram_gbps,
+            allocator_rounding=CUDA_ALLOCATOR_ROUNDING,
+            is_cuda=True,
+            compute_capability=sheet.compute_capability,
+            context_bytes=CUDA_CONTEXT_BYTES,
+            blas_workspace_bytes=blas_workspace_bytes(sheet.compute_capability, amd_cdna3=sheet.name == "MI300X"),
+            nccl_bytes=sheet.nccl_bytes,
+        )
+        for sheet in GPU_DATASHEETS
+    }
+    # The profiler reports requested bytes on the CPU: no rounding.
+    table["cpu"] = DeviceSpec(
+        name="cpu",
+        memory_gib=_host_memory_gib(),
+        tflops=dict(CPU_TFLOPS),
+        dram_gbps=CPU_DRAM_GBPS,
+        allocator_rounding=1,
+        is_cuda=False,
+    )
+    return table
+
+
+DEVICE_SPECS: Mapping[str, DeviceSpec] = MappingProxyType(_build_table())
+"""Canonical device name to its :class:`DeviceSpec`; read-only."""
+
+
+def _normalize(name: str) -> str:
+    # Users write "H100 SXM", "h100_sxm" and "H100-SXM" interchangeably.
+    return re.sub(r"[-_ ]", "", name).lower()
+
+
+_BY_NORMALIZED_NAME: Mapping[str, str] = MappingProxyType({_normalize(name): name for name in DEVICE_SPECS})
+
+_DRIVER_NAME_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), entry) for pattern, entry in DRIVER_NAME_PATTERNS
+)
+
+
+def _unknown_device_message(device: str) -> str:
+    return (
+        f"Unknown device {device!r}. Known devices: {', '.join(known_devices())} (matched ignoring case, "
+        "'-', '_' and spaces), or 'auto' to detect the visible device. For other hardware pass your own "
+        "spec instead of a name, e.g. get_device_spec(DeviceSpec(name='my-gpu', memory_gib=48, "
+        "tflops={'fp32': 90.0, 'bf16': 360.0}, dram_gbps=900, allocator_rounding=512, is_cuda=True))."
+    )
+
+
+def known_devices() -> list[str]:
+    """Canonical names of all entries in :data:`DEVICE_SPECS`, sorted."""
+    return sorted(DEVICE_SPECS)
+
+
+def get_device_spec(device: str | DeviceSpec = "auto") -> DeviceSpec:
+    """Resolve a device name (or spec) to a :class:`DeviceSpec`.
+
+    Args:
+        device: A :class:`DeviceSpec`, returned unchanged; ``"auto"`` for :func:`detect_device`; or a name
+            from :func:`known_devices`, matched ignoring case, ``-``, ``_`` and spaces (``"h100_sxm"`` and
+            ``"H100 SXM"`` both give ``"H100-SXM"``).
+
+    Returns:
+        The matching spec.
+
+    Raises:
+        UnknownDeviceError: If the name matches no known device.
+        TypeError: If ``device`` is neither a string nor a :class:`DeviceSpec`.
+
+    """
+    if isinstance(device, DeviceSpec):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str or DeviceSpec, got {type(device).__name__}.")
+    key = _normalize(device)
+    if key == "auto":
+        return detect_device()
+    canonical = _BY_NORMALIZED_NAME.get(key)
+    if canonical is None:
+        raise UnknownDeviceError(_unknown_device_message(device))
+    return DEVICE_SPECS[canonical]
+
+
+def _table_entry_for_driver_name(name: str) -> str | None:
+    for pattern, entry in _DRIVER_NAME_PATTERNS:
+        if pattern.search(name):
+            return entry
+    return None
+
+
+def detect_device() -> DeviceSpec:
+    """Describe the device this process would compute on.
+
+    With CUDA (or ROCm/HIP) available, the result describes the current device: its driver-reported name
+    and total memory, with throughput and bandwidth taken from the :data:`DEVICE_SPECS` entry the name
+    matches (``"NVIDIA H100 80GB HBM3"`` gives H100-SXM figures, ``"NVIDIA A100-SXM4-40GB"`` A100-40GB ones).
+    A GPU matching no entry gets the A100-40GB figures, whose compute-to-bandwidth ratio sits mid-table,
+    and a warning suggesting an explicit :class:`DeviceSpec`. Without CUDA the ``"cpu"`` entry is returned.
+
+    Returns:
+        The spec of the current device.
+
+    """
+    if not torch.cuda.is_available():
+        return DEVICE_SPECS["cpu"]
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    name = str(props.name)
+    entry = _table_entry_for_driver_name(name)
+    if entry is None:
+        entry = FALLBACK_CUDA_ENTRY
+        warnings.warn(
+            f"No device table entry matches CUDA device {name!r}; using {entry} throughput and bandwidth. "
+            "Pass a DeviceSpec with this device's figures for accurate plans.",
+            UserWarning,
+            stacklevel=2,
+        )
+    # The driver's total memory beats the datasheet's: it is what allocations can actually use.
+    capability = (int(props.major), int(props.minor)) if torch.version.hip is None else None
+    cdna3 = capability is None and str(getattr(props, "gcnArchName", "")).startswith(("gfx94", "gfx95"))
+    spec = DEVICE_SPECS[entry]
+    return replace(
+        spec,
+        name=name,
+        memory_gib=int(props.total_memory) / 2**30,
+        compute_capability=capability,
+        blas_workspace_bytes=blas_workspace_bytes(capability, amd_cdna3=cdna3),
+    )

@@ -1,0 +1,114 @@
+"""CPU kernels whose memory fake tensors cannot see, measured on the kernel itself.
+
+oneDNN's LSTM layer (``aten.mkldnn_rnn_layer``, what ``nn.LSTM`` runs on CPU in training) returns its training
+workspace as a fourth output, which backward reads; the fake kernel returns it empty. Its backward
+(``mkldnn_rnn_layer_backward``) allocates and frees scratch buffers of several times its input's size. Both
+depend on oneDNN's internal layouts, not on a formula of the shapes that holds across versions, so they are taken
+from the kernels: once per layer shape, the real forward and backward run on synthetic inputs of the profiled
+shapes under torch.profiler, whose allocator events give the workspace's size and each call's peak beyond its
+outputs. Only for the CPU target; the random stream and the model are not touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.profiler import ProfilerActivity
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_sac.dryrun.measured import QuietProfile
+
+__all__ = ["RnnLayerMemory", "rnn_layer_memory"]
+
+aten = torch.ops.aten
+_FORWARD, _BACKWARD = aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default
+
+
+@dataclass(frozen=True)
+class RnnLayerMemory:
+    """What one oneDNN LSTM layer call allocates besides the outputs fake tensors show.
+
+    Attributes:
+        workspace_bytes: Size of the forward's fourth output, the training workspace.
+        forward_scratch: Peak bytes the forward holds beyond its outputs, freed within the call.
+        backward_scratch: Peak bytes the backward holds beyond its outputs, freed within the call.
+    """
+
+    workspace_bytes: int
+    forward_scratch: int
+    backward_scratch: int
+
+
+_PROBED: dict[Any, RnnLayerMemory] = {}
+# Arguments that identify a layer call, by name, in both the forward's and the backward's schema.
+_SHARED = ("reverse", "mode", "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first", "train")
+
+
+def _named(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def _key(named: dict[str, Any], weights: tuple[str, ...]) -> Any:
+    shapes = tuple(tuple(named[n].shape) for n in ("input", *weights, "hx_"))
+    return shapes, named["input"].dtype, tuple(named[n] for n in _SHARED), tuple(named["batch_sizes"])
+
+
+def _peak_beyond(run: Any) -> tuple[Any, int]:
+    """Run ``run()`` under torch.profiler: its result, and the peak of its allocations beyond what it returns."""
+    from lightning_sac.dryrun.measured import peak_from_events  # the measurement imports the profiler's package
+
+    with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = run()
+    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    kept = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return out, max(0, peak_from_events(events, 0).peak_bytes - kept)
+
+
+def _probe(named: dict[str, Any]) -> RnnLayerMemory:
+    from lightning_sac.dryrun.runtime import real_tensor  # runtime imports the recorder's users
+
+    def real(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return real_tensor(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype)
+
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        forward = tree_map(real, named)
+        # The kernel makes its workspace only with gradients on, as in the training step.
+        with torch.enable_grad():
+            out, forward_scratch = _peak_beyond(lambda: _FORWARD(**forward))
+        workspace = out[3]
+        backward = {n: forward[n] for n in (*_SHARED, "input", "hx_", "batch_sizes")}
+        backward.update({f"weight{i + 1}": forward[f"weight{i}"] for i in range(4)})
+        backward.update(cx_tmp=forward["cx_"], output=out[0], hy_=out[1], cy_=out[2], workspace=workspace)
+        backward.update(grad_output=torch.ones_like(out[0]), grad_hy=torch.ones_like(out[1]))
+        backward.update(grad_cy=torch.ones_like(out[2]))
+        _, backward_scratch = _peak_beyond(lambda: _BACKWARD(**backward))
+    return RnnLayerMemory(workspace.untyped_storage().nbytes(), forward_scratch, backward_scratch)
+
+
+def rnn_layer_memory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RnnLayerMemory | None:
+    """What a oneDNN LSTM layer's forward (with gradients on) or backward call allocates unseen, or ``None``.
+
+    The backward of a layer is identified with the forward that made its workspace by shapes and flags; a
+    backward whose forward was never probed is probed from its own arguments' shapes.
+    """
+    if func is _FORWARD and torch.is_grad_enabled():
+        named = _named(func, args, kwargs)
+        key = _key(named, ("weight0", "weight1", "weight2", "weight3"))
+        if key not in _PROBED:
+            _PROBED[key] = _probe(named)
+        return _PROBED[key]
+    if func is _BACKWARD:
+        named = _named(func, args, kwargs)
+        key = _key(named, ("weight1", "weight2", "weight3", "weight4"))
+        if key not in _PROBED:
+            forward = {n: named[n] for n in (*_SHARED, "input", "hx_", "batch_sizes")}
+            forward.update({f"weight{i}": named[f"weight{i + 1}"] for i in range(4)}, cx_=named["cx_tmp"])
+            _PROBED[key] = _probe(forward)
+        return _PROBED[key]
+    return None

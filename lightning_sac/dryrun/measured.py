@@ -1,0 +1,262 @@
+"""Ground truth: the memory of a real training step on this machine, from torch.profiler's allocator events.
+
+This is independent of the dry run's tracker: it reads what the allocator reported, event by event, while
+the same :func:`~lightning_sac.dryrun.step.training_step` ran on real tensors.
+
+Kineto (torch 2.13's CPU wheel) writes ``USDT: ... profiler_start`` / ``profiler_stop`` and ``STAGE: ...`` lines
+straight to file descriptor 2 from C++ each time a profiler starts or stops, whatever ``KINETO_LOG_LEVEL`` says.
+``sys.stderr`` cannot catch them, so :func:`filtered_native_stderr` points descriptor 2 at a temporary file
+around the profiler's own start and stop only (never around the user's code) and writes back every line that is
+not that chatter: a real warning printed there still reaches the user (:class:`QuietProfile`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from lightning_sac.dryrun.step import (
+    LossFn,
+    OptimizerFactory,
+    model_inputs,
+    model_loss,
+    tensors_of,
+    training_step,
+)
+
+__all__ = [
+    "TIMELINE_CATEGORIES",
+    "MeasuredStep",
+    "QuietProfile",
+    "filtered_native_stderr",
+    "is_profiler_chatter",
+    "MemoryTimeline",
+    "event_name",
+    "measure_training_step",
+    "memory_events",
+    "memory_timeline",
+    "peak_from_events",
+    "unique_bytes",
+]
+
+
+# "USDT:2026-11-23 12:20:27 17888:17888 SyncActivityProfilerHandler.cpp:52] profiler_start"
+_CHATTER = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+def is_profiler_chatter(line: str) -> bool:
+    """Whether ``line`` is one of Kineto's status lines (``USDT: ...`` / ``STAGE: ...``)."""
+    return _CHATTER.match(line) is not None
+
+
+@contextlib.contextmanager
+def filtered_native_stderr() -> Iterator[None]:
+    """Drop Kineto's status lines written to descriptor 2 inside the block; pass every other line through.
+
+    Where descriptor 2 cannot be redirected (no such descriptor), the block runs unchanged.
+    """
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+    kept = [line for line in text.splitlines(keepends=True) if not is_profiler_chatter(line)]
+    if kept:
+        sys.stderr.write("".join(kept))
+        sys.stderr.flush()
+
+
+class QuietProfile(profile):
+    """``torch.profiler.profile`` whose start and stop print no Kineto status lines (see the module docstring).
+
+    Takes the same arguments; only :meth:`start` and :meth:`stop` differ, so the profiled code's own output is
+    untouched.
+    """
+
+    def start(self) -> None:
+        """Start profiling, filtering Kineto's status lines."""
+        with filtered_native_stderr():
+            super().start()
+
+    def stop(self) -> None:
+        """Stop profiling, filtering Kineto's status lines."""
+        with filtered_native_stderr():
+            super().stop()
+
+
+@dataclass(kw_only=True)
+class MeasuredStep:
+    """Memory of one real training step.
+
+    Attributes:
+        peak_bytes: ``baseline_bytes`` plus the highest net allocation during the step.
+        baseline_bytes: Bytes alive when the step began: parameters, buffers, gradients, optimizer state and
+            inputs, each storage once.
+        timeline: ``(ns since the first event, bytes alive)`` after each allocator event.
+    """
+
+    peak_bytes: int
+    baseline_bytes: int
+    timeline: list[tuple[int, int]] = field(default_factory=list)
+
+
+def peak_from_events(events: list[tuple[int, int]], baseline_bytes: int) -> MeasuredStep:
+    """Fold allocator events ``(start ns, +/- bytes)`` into a timeline and its peak."""
+    events = sorted(events)
+    alive, peak = baseline_bytes, baseline_bytes
+    timeline = []
+    t0 = events[0][0] if events else 0
+    for ns, delta in events:
+        alive += delta
+        peak = max(peak, alive)
+        timeline.append((ns - t0, alive))
+    return MeasuredStep(peak_bytes=peak, baseline_bytes=baseline_bytes, timeline=timeline)
+
+
+def unique_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors``."""
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def measure_training_step(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...] | Mapping[str, Any],
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+) -> MeasuredStep:
+    """Train ``model`` for real on this machine's CPU and measure the memory of one step.
+
+    With an optimizer, a first step creates its state and the second is measured, as
+    :func:`~lightning_sac.profile_model` does. The model's parameters are updated: pass a copy to keep yours.
+
+    Args:
+        model: A model with real weights on the CPU.
+        example_inputs: Positional inputs of ``model`` (a tuple), or its keyword inputs (a dict).
+        example_kwargs: Keyword inputs besides positional ``example_inputs``.
+        loss_fn: As for :func:`~lightning_sac.profile_model`.
+        optimizer_factory: As for :func:`~lightning_sac.profile_model`.
+    """
+    inputs = model_inputs(example_inputs, example_kwargs)
+    compute_loss = model_loss(loss_fn)
+    params = list(model.parameters())
+    optimizer = optimizer_factory(params) if optimizer_factory is not None else None
+    if optimizer is not None:
+        training_step(model, inputs, compute_loss, optimizer)
+    state = (
+        []
+        if optimizer is None
+        else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    )
+    grads = [p.grad for p in params if p.grad is not None]
+    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs))
+    with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        training_step(model, inputs, compute_loss, optimizer)
+    return peak_from_events(memory_events(prof, "cpu"), baseline)
+
+
+def event_name(event: Any) -> str | None:
+    """The name of a profiler event, or ``None`` when torch cannot decode it.
+
+    With ``with_stack=True``, the Python-function events of code that ``torch.compile`` compiled while the
+    profiler ran can carry names that are not UTF-8 (``UnicodeDecodeError`` from ``KinetoEvent.name``): dynamo
+    frees the code objects those names were read from. Such an event is a Python call, never an allocation.
+    """
+    try:
+        name: str = event.name()
+    except UnicodeDecodeError:
+        return None
+    return name
+
+
+def memory_events(prof: profile, device: str = "cpu") -> list[tuple[int, int]]:
+    """The allocator events ``(start ns, +/- bytes)`` of ``device`` in a finished profile.
+
+    Python-function events are skipped before their names are read (see :func:`event_name`).
+    """
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None, "the profile is not finished"
+    kind = device.split(":")[0]
+    return [
+        (e.start_ns(), e.nbytes())  # type: ignore[attr-defined]
+        for e in prof.profiler.kineto_results.events()
+        if not e.is_python_function()
+        and event_name(e) == "[memory]"
+        and str(e.device_type()).split(".")[-1].lower() == kind
+    ]
+
+
+#: Categories of PyTorch's memory profiler, in its stacking order, with ``unknown`` for uncategorized bytes.
+TIMELINE_CATEGORIES = (
+    "parameter",
+    "optimizer_state",
+    "input",
+    "temporary",
+    "activation",
+    "gradient",
+    "autograd_detail",
+    "unknown",
+)
+
+
+@dataclass(kw_only=True)
+class MemoryTimeline:
+    """Live bytes of one device over a profiled window, by PyTorch's memory profiler categories.
+
+    Attributes:
+        times_us: Time of each sample, microseconds from the first.
+        by_category: Bytes per category (:data:`TIMELINE_CATEGORIES`) at each sample.
+        peak_bytes: ``baseline_bytes`` plus the highest net allocation of the raw allocator events (as
+            :func:`peak_from_events` folds them).
+        baseline_bytes: Bytes alive when profiling began, as the caller counted them.
+        events: The raw allocator events ``(start ns, +/- bytes)`` of the device.
+    """
+
+    times_us: list[float]
+    by_category: dict[str, list[int]]
+    peak_bytes: int
+    baseline_bytes: int = 0
+    events: list[tuple[int, int]] = field(default_factory=list)
+
+
+def memory_timeline(prof: profile, device: str = "cpu", baseline_bytes: int = 0) -> MemoryTimeline:
+    """Categorize the memory of a finished ``torch.profiler.profile`` run.
+
+    The profile must have been taken with ``profile_memory=True, record_shapes=True, with_stack=True``.
+    Categories come from PyTorch's memory profiler (``torch.profiler._memory_profiler``: the only public
+    implementation of its categorization, used by ``export_memory_timeline`` too).
+    """
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(device)
+    t0 = times[0] if times else 0
+    by_category = {c: [int(row[i + 1]) for row in sizes] for i, c in enumerate(TIMELINE_CATEGORIES)}
+    events = memory_events(prof, device)
+    return MemoryTimeline(
+        times_us=[float(t - t0) for t in times],
+        by_category=by_category,
+        peak_bytes=peak_from_events(events, baseline_bytes).peak_bytes,
+        baseline_bytes=baseline_bytes,
+        events=events,
+    )

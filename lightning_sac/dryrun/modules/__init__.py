@@ -1,0 +1,1 @@
+"""Per-module recording: the hooks around every module call, backward signals, the model's own checkpoints."""

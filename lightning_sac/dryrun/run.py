@@ -1,0 +1,100 @@
+"""The dry run: one training step recorded on a fake copy of the model, measured module by module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_sac.devices import DeviceSpec
+from lightning_sac.dryrun.data import ModelProfile
+from lightning_sac.dryrun.recorded_step import StepSpec, host_step_params, optimizer_state, record_step
+from lightning_sac.dryrun.step import input_signature, loop_signature
+from lightning_sac.dryrun.values.stand_in_check import record_checked
+from lightning_sac.sharding import sharded_layout
+
+__all__ = ["DryRun", "dry_run"]
+
+
+@dataclass
+class DryRun:
+    """A recorded step: its profile, and what calibrating it on this host takes.
+
+    Attributes:
+        profile: The profile, in bytes and milliseconds.
+        input_specs: Per module fqn, the shapes and dtypes of the arguments of its recorded call.
+    """
+
+    profile: ModelProfile
+    input_specs: dict[str, Any]
+
+
+def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+    return sum(spec.round_bytes(n) for n in storages.values())
+
+
+def dry_run(
+    model: nn.Module, example_inputs: Any, step: StepSpec, *, estimate: str, replace_existing: bool = False
+) -> DryRun:
+    """Record ``step`` of ``model`` on ``example_inputs`` under fake tensors (see :func:`lightning_sac.profile_step`).
+
+    ``estimate`` names ``step.estimator``'s kind, as the profile records it.
+
+    Raises:
+        ProfilingError: A data-dependent op on a value derived from the weights; names the op, module and line.
+    """
+    spec, manual_step = step.device, step.manual
+    accumulate_grad_batches, wrapper = step.accumulate_grad_batches, step.wrapper
+    # Run again when scalar reads got stand-ins, to check they decided nothing (dryrun/values/placeholders.py).
+    run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
+    recorder, fmodel, optimizers = run.recorder, run.model, run.optimizers
+    manual = manual_step is not None
+    modules = recorder.modules()
+    named = dict(fmodel.named_modules())
+    host_steps = host_step_params(optimizers) if spec.is_cuda else set()
+    for fqn, prof in modules.items():
+        mod_params = list(named[fqn].parameters())
+        prof.parameter_bytes = _unique_storage_bytes(mod_params, spec)
+        prof.buffer_bytes = _unique_storage_bytes(list(named[fqn].buffers()), spec)
+        prof.gradient_bytes = sum(spec.round_bytes(p.numel() * p.element_size()) for p in mod_params if p.requires_grad)
+        prof.optimizer_state_bytes = _unique_storage_bytes(
+            optimizer_state(optimizers, mod_params, host_steps=host_steps), spec
+        )
+
+    memory = recorder.memory
+    profile = ModelProfile(
+        device=spec,
+        estimate=estimate,
+        modules=modules,
+        forward_pre_order=recorder.orders["fwd_pre"],
+        forward_post_order=recorder.orders["fwd_post"],
+        backward_pre_order=recorder.orders["bwd_pre"],
+        backward_post_order=recorder.orders["bwd_post"],
+        peak_bytes=memory.peak.peak_total,
+        reserved_peak_bytes=0 if memory.allocator is None else memory.allocator.peak_reserved,
+        peak_breakdown=memory.peak.peak_snapshot,
+        peak_location=memory.peak_location,
+        forward_ms=recorder.phase_ms["forward"],
+        backward_ms=recorder.phase_ms["backward"],
+        optimizer_ms=recorder.phase_ms["optimizer"],
+        input_signature=input_signature(example_inputs) + loop_signature(accumulate_grad_batches, manual),
+        timeline=recorder.timeline,
+        checkpointed_modules=run.watch.under,
+        checkpoint_callers=run.watch.callers,
+        checkpointing_flags=[f for f in run.flags if f not in run.replaced],
+        replaced_checkpointing=run.replaced,
+        kv_cache_off=run.caches.switched_off,
+        kv_cache_with_tokens=run.caches.holds_tokens,
+        placeholders=run.placeholders,
+        routing=run.routing,
+        sharded=sharded_layout(model, wrapper),
+    )
+    if run.caches.switched_off:
+        # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
+        # less than without them: fused projections' views keep their buffers, caches' copies free them).
+        with_caches = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+        profile.kv_cache_peak = with_caches.recorder.memory.peak.peak_snapshot
+    return DryRun(profile, recorder.input_specs)

@@ -1,0 +1,147 @@
+"""AutoSAC's measurement of a planned step inside ``fit``: torch.profiler's allocator events, beside the plan.
+
+The measured step is the fit's second optimizer step, a whole accumulation cycle (``accumulate_grad_batches``
+micro-batches), measured exactly as training runs it: nothing of the training state is changed to make it
+measurable. torch.profiler reports no free of a block allocated before it started, so the profiler starts one
+cycle earlier, at the first micro-batch: the blocks the measured cycle frees (the previous cycle's gradients,
+the batch prefetched during it) were then allocated under the profiler, and their frees are in the record.
+The measured peak is the bytes alive when the measured cycle begins (parameters, buffers, gradients, optimizer
+state and the batch, each storage once) plus the highest net allocation inside the cycle's window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, record_function
+
+from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, memory_timeline, tensors_of, unique_bytes
+from lightning_sac.plan import Plan
+
+__all__ = ["StepMeasurement", "compare_measured", "window_peak"]
+
+_GIB = 2**30
+_WINDOW = "lightning_sac_measured_cycle"
+
+
+def window_peak(events: list[tuple[int, int]], window: tuple[int, int], alive_at_start: int) -> int:
+    """``alive_at_start`` plus the highest net allocation of the allocator ``events`` inside ``window`` (ns)."""
+    lo, hi = window
+    alive = peak = alive_at_start
+    for ns, delta in sorted(events):
+        if lo <= ns <= hi:
+            alive += delta
+            peak = max(peak, alive)
+    return peak
+
+
+def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
+    """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with, on this rank.
+
+    Under FSDP the rank holds shards: a ``DTensor``'s local tensor (FSDP2), FSDP1's flat shard (whose views the
+    wrapper's parameters are).
+    """
+    model = trainer.strategy.model or pl_module
+    state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
+    params = list(model.parameters())
+    tensors = [*params, *model.buffers(), *tensors_of((batch, state)), *[p.grad for p in params if p.grad is not None]]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if isinstance(t, torch.Tensor)]
+    return unique_bytes(local)
+
+
+class StepMeasurement:
+    """Profiles the fit's second accumulation cycle with torch.profiler (see the module docstring).
+
+    Call :meth:`batch_start` and :meth:`batch_end` for every training batch from the first one on; the second
+    returns the measured cycle's timeline once it ends, ``None`` before.
+
+    Attributes:
+        failed: Reading the profile failed; the measurement is not tried again.
+    """
+
+    def __init__(self) -> None:
+        self._profiler: Any = None
+        self._window: Any = None
+        self._baseline = 0
+        self._seen = 0
+        self.failed = False
+
+    @property
+    def running(self) -> bool:
+        """Whether the profiler runs."""
+        return self._profiler is not None
+
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Start the profiler before the first micro-batch, and the measured window before the cycle after it."""
+        k = trainer.accumulate_grad_batches
+        if self._seen == 0:
+            self._profiler = QuietProfile(  # no Kineto status lines on the console
+                activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
+                profile_memory=True,
+                record_shapes=True,
+                with_stack=True,
+            )
+            self._profiler.__enter__()
+        elif self._seen == k and self._profiler is not None:
+            self._baseline = _alive_bytes(trainer, pl_module, batch)
+            self._window = record_function(_WINDOW)
+            self._window.__enter__()
+        self._seen += 1
+
+    def batch_end(self, trainer: pl.Trainer) -> MemoryTimeline | None:
+        """The measured cycle's memory once its last micro-batch ended, else ``None``.
+
+        Raises:
+            Exception: Whatever reading the profile raised; the profiler is stopped first.
+        """
+        if self._window is None or self._seen < 2 * trainer.accumulate_grad_batches:
+            return None
+        self._window.__exit__(None, None, None)
+        self._window = None
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        device = str(trainer.strategy.root_device)
+        timeline = memory_timeline(prof, device, self._baseline)
+        kineto = prof.profiler.kineto_results.events()
+        # Python events' names can be undecodable after a compile in the window (measure.event_name).
+        marks = [e for e in kineto if not e.is_python_function() and event_name(e) == _WINDOW]
+        if not marks:
+            raise RuntimeError(f"the profile holds no {_WINDOW!r} range")
+        window = (marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns())
+        timeline.peak_bytes = window_peak(timeline.events, window, self._baseline)
+        return timeline
+
+    def abandon(self, failed: bool = False) -> None:
+        """Stop profiling without a result (``fit`` ended, or the measurement failed: then it is not retried)."""
+        self.failed = self.failed or failed
+        if self._window is not None:
+            self._window.__exit__(None, None, None)
+            self._window = None
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+
+
+def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
+    """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
+    if ("cuda" if target_is_cuda else "cpu") != device_type:
+        rank_zero_info(
+            f"AutoSAC planned for {plan.device} but trains on {device_type}: the measured peak "
+            f"({measured_bytes / _GIB:.3f} GiB) is logged, not compared with the budget."
+        )
+        return
+    # On a GPU the budget also holds the CUDA context, NCCL and the allocator's slack (Plan.reserve), which no
+    # allocation event shows: the measured peak is held to what is left for allocations.
+    if measured_bytes > plan.allocated_budget_bytes:
+        reserve = sum(plan.reserve.values()) / _GIB
+        kept = f", of which {reserve:.3f} GiB is kept for the device's reserve" if plan.reserve else ""
+        rank_zero_warn(
+            f"AutoSAC: the measured peak of a planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
+            f"the budget of {plan.budget_gb:.3f} GiB{kept} (predicted {plan.predicted_peak_bytes / _GIB:.3f} "
+            "GiB). The plan did not take effect as planned or the estimate was wrong; lower the budget or "
+            "check the warnings above."
+        )

@@ -1,0 +1,237 @@
+"""What one rank holds at each moment of a sharded (FSDP) step, from the unsharded profile and the units.
+
+The dry run profiles the model unsharded (:mod:`lightning_sac.sharding.unsharded`); its timeline gives, at every
+module boundary, the activations, temporaries and inputs, which sharding does not change. Parameters, gradients
+and optimizer state are replaced by what FSDP keeps on one rank:
+
+- every unit's parameter shard, always; its gathered parameters from the moment they are all-gathered (its
+  forward, or the forward of the unit that prefetches it) until its forward ends, or until its backward ends
+  when it does not reshard after forward (the root, by default); again from its backward (or from the backward
+  of the unit before it in backward order, which prefetches it by default) until its backward ends;
+- FSDP2's flat all-gather buffer: a unit's parameters are copied out of it, and it stays alive until the next
+  all-gather (or the end of backward); at the moment of a gather the previous one is still alive too;
+- gradients: outside backward, every unit's gradient shard (Lightning sets gradients to ``None`` just before
+  backward, so during backward only the units done so far have theirs); during a unit's backward its unsharded
+  gradients, and at its end a second copy of them, the reduce-scatter's input;
+- optimizer state divided as the parameters are.
+
+A checkpointed module that contains units gathers them again for its recompute, at the start of its backward,
+and they stay gathered until each one's own backward ends (FSDP does not reshard after a recompute's forward):
+:meth:`ShardedStep.recompute_gathers` is that extra, counted only when the module is checkpointed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from lightning_sac.dryrun import MemorySnapshot, ModelProfile
+from lightning_sac.sharding import FSDPUnit, ShardedLayout
+
+__all__ = ["ShardedStep"]
+
+
+def _inside(fqn: str, outer: str) -> bool:
+    return outer == "" or fqn == outer or fqn.startswith(outer + ".")
+
+
+def _union(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The inclusive intervals' union within ``[lo, hi]``, as disjoint inclusive intervals in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if a > b:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+@dataclass
+class ShardedStep:
+    """The sharded memory model of one profiled step (see the module docstring).
+
+    Args:
+        profile: The unsharded profile, with its timeline.
+        layout: The model's FSDP units.
+    """
+
+    profile: ModelProfile
+    layout: ShardedLayout
+    _gathered: list[list[tuple[int, int]]] = field(init=False, repr=False)  # per unit: [start, end] intervals
+    _starts: dict[int, int] = field(init=False, repr=False)  # timeline index -> all-gather buffer bytes there
+    _held: list[int] = field(init=False, repr=False)  # per timeline index, the last all-gather's buffer bytes
+    _bwd: list[tuple[int, int]] = field(init=False, repr=False)  # per unit: its backward's [start, end]
+    _phase: list[str] = field(init=False, repr=False)  # per timeline index, the step's phase
+    _first: dict[tuple[str, str], int] = field(init=False, repr=False)  # (kind, name) -> first timeline index
+    _gathered_at: list[int] = field(init=False, repr=False)  # per timeline index, the gathered bytes there
+    _param_bytes: int = field(init=False, repr=False)  # all units' parameters, gathered
+    _shards: int = field(init=False, repr=False)  # all units' parameter shards on one rank
+    _grad_shards: int = field(init=False, repr=False)  # all units' gradient shards on one rank
+    _backward_grads: dict[int, int] = field(init=False, repr=False)  # timeline index in backward -> gradient bytes
+    _recompute_series: dict[str, list[int]] = field(init=False, repr=False)  # fqn -> recompute_gathers per index
+
+    def __post_init__(self) -> None:
+        timeline = self.profile.timeline
+        last = len(timeline) - 1
+        first: dict[tuple[str, str], int] = {}
+        phase, self._phase = "", []
+        for k, e in enumerate(timeline):
+            first.setdefault((e.kind, e.name), k)
+            phase = e.name if e.kind == "phase" else phase
+            self._phase.append(phase)
+        self._first = first
+        fwd_begin = first.get(("phase", "forward"), 0)
+        bwd_begin = first.get(("phase", "backward"), last)
+        bwd_end = first.get(("phase", "optimizer"), last)
+        units = self.layout.units
+        spans = []
+        for u in units:
+            # A unit whose forward is not a module call of the step (FSDP1's root wraps the LightningModule,
+            # whose training_step runs instead) is gathered for the whole forward and backward.
+            spans.append(
+                (
+                    first.get(("fwd_pre", u.fqn), fwd_begin),
+                    first.get(("fwd_post", u.fqn), bwd_begin),
+                    first.get(("bwd_pre", u.fqn), bwd_begin),
+                    first.get(("bwd_post", u.fqn), bwd_end),
+                )
+            )
+        self._bwd = [(s[2], s[3]) for s in spans]
+        fqns = {u.fqn: i for i, u in enumerate(units)}
+        # FSDP's default backward prefetch: a unit's backward gathers the unit whose forward ended just before
+        # its own (FSDP2), or began just before its own (FSDP1's BACKWARD_PRE).
+        by = 1 if self.layout.kind == "fsdp2" else 0
+        order = sorted(range(len(units)), key=lambda i: spans[i][by])
+        self._gathered, self._starts = [], {}
+        for i, u in enumerate(units):
+            fwd_pre, fwd_post, bwd_pre, bwd_post = spans[i]
+            fwd_start = min([fwd_pre] + [spans[fqns[p.fqn]][0] for p in units if u.fqn in p.forward_prefetch])
+            bwd_start = bwd_pre
+            if u.backward_prefetch is None:  # FSDP's default: the unit after it in that order gathers it
+                rank = order.index(i)
+                if rank + 1 < len(order):
+                    bwd_start = min(bwd_start, spans[order[rank + 1]][2])
+            else:
+                prefetchers = [spans[fqns[p.fqn]][2] for p in units if u.fqn in (p.backward_prefetch or [])]
+                bwd_start = min([bwd_start, *prefetchers])
+            if u.reshard_after_forward:
+                intervals = [(fwd_start, fwd_post), (bwd_start, bwd_post)]
+            else:
+                intervals = [(fwd_start, bwd_post)]
+            self._gathered.append(intervals)
+            for start, _ in intervals:
+                self._starts[start] = self._starts.get(start, 0) + u.buffer_bytes
+        # FSDP2 keeps the last all-gather's buffer until the next one (when several start together, the largest
+        # is counted), and frees it when backward ends.
+        largest = {
+            k: max(u.buffer_bytes for u, iv in zip(units, self._gathered, strict=True) if any(a == k for a, _ in iv))
+            for k in self._starts
+        }
+        self._held, held = [], 0
+        for k in range(len(timeline)):
+            held = 0 if k >= bwd_end else largest.get(k, held)
+            self._held.append(held)
+        # What bytes_at sums at every call but depends on the timeline index alone, once (the solver asks at every
+        # index of a step thousands of events long).
+        self._param_bytes = sum(u.param_bytes for u in units)
+        self._shards = sum(u.shard_bytes for u in units)
+        self._grad_shards = sum(u.grad_shard_bytes for u in units)
+        gathered = [0] * (len(timeline) + 1)
+        for u, intervals in zip(units, self._gathered, strict=True):
+            for a, b in _union(intervals, 0, len(timeline) - 1):
+                gathered[a] += u.gathered_bytes
+                gathered[b + 1] -= u.gathered_bytes
+        self._gathered_at = list(itertools.accumulate(gathered[:-1]))
+        self._backward_grads, self._recompute_series = {}, {}
+
+    # ------------------------------------------------------------------ per moment
+    def is_gathered(self, i: int, k: int) -> bool:
+        """Whether unit ``i``'s parameters are gathered at timeline index ``k`` without any checkpointing."""
+        return any(a <= k <= b for a, b in self._gathered[i])
+
+    def _gradients(self, k: int, snapshot: MemorySnapshot) -> int:
+        units = self.layout.units
+        if self._phase[k] != "backward":
+            return self._grad_shards if snapshot.get("gradient", 0) > 0 else 0
+        if k in self._backward_grads:
+            return self._backward_grads[k]
+        total = 0
+        for u, (start, end) in zip(units, self._bwd, strict=True):
+            if end < k:
+                total += u.grad_shard_bytes
+            elif start <= k:
+                scatter = u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
+                total += u.grad_bytes + (scatter if k == end else 0)  # at its end, the reduce-scatter's input
+        self._backward_grads[k] = total
+        return total
+
+    def bytes_at(self, k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
+        """Bytes on one rank at timeline index ``k`` whose unsharded snapshot is ``snapshot``.
+
+        Args:
+            k: Timeline index.
+            snapshot: The unsharded profile's bytes by category there (at the event, or its interval's peak).
+            moment: ``snapshot`` is the event's own (``at``): add what FSDP holds only at that moment (the
+                all-gather buffers of the units gathered there, beside the previous gather's).
+        """
+        param_bytes, shards = self._param_bytes, self._shards
+        profiled = snapshot.get("parameter", 0)
+        unmanaged = max(profiled - param_bytes, 0)
+        # The optimizer's state is made from the shards. The profile's state is of its parameters, which are in
+        # the compute dtype when FSDP1's mixed precision computes on cast parameters.
+        ratio = shards / min(profiled, param_bytes) if profiled and param_bytes else 1.0
+        other = sum(v for c, v in snapshot.items() if c not in ("parameter", "gradient", "optimizer_state"))
+        gathered = self._gathered_at[k] if 0 <= k < len(self._gathered_at) else self._gathered_sum(k)
+        optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
+        total = other + unmanaged + shards + gathered + optimizer + self._gradients(k, snapshot)
+        if moment and k in self._starts:  # the gathers of this moment, beside the previous gather's buffer
+            return total + self._starts[k] + (self._held[k - 1] if k > 0 else 0)
+        return total + self._held[k]
+
+    def _gathered_sum(self, k: int) -> int:
+        return sum(u.gathered_bytes for i, u in enumerate(self.layout.units) if self.is_gathered(i, k))
+
+    def recompute_gathers(self, fqn: str, k: int) -> int:
+        """Bytes a checkpoint of ``fqn`` gathers at timeline index ``k`` that the step without it does not.
+
+        Units inside ``fqn`` (not ``fqn`` itself) are gathered by its recompute, from its backward's start until
+        their own backward ends.
+        """
+        start = self._first.get(("bwd_pre", fqn))
+        if start is None or k < start:
+            return 0
+        extra = 0
+        for i, u in enumerate(self.layout.units):
+            if u.fqn == fqn or not _inside(u.fqn, fqn):
+                continue
+            if k <= self._bwd[i][1] and not self.is_gathered(i, k):
+                extra += u.gathered_bytes
+        return extra
+
+    def recompute_gathers_series(self, fqn: str) -> list[int]:
+        """:meth:`recompute_gathers` of ``fqn`` at every timeline index, computed once per module."""
+        if fqn in self._recompute_series:
+            return self._recompute_series[fqn]
+        length = len(self.profile.timeline)
+        series = [0] * (length + 1)
+        start = self._first.get(("bwd_pre", fqn))
+        for i, u in enumerate(self.layout.units):
+            if start is None or u.fqn == fqn or not _inside(u.fqn, fqn):
+                continue
+            # From the module's backward until the unit's own backward ends, less where the step gathers it anyway.
+            end = min(self._bwd[i][1], length - 1)
+            if start > end:
+                continue
+            series[start] += u.gathered_bytes
+            series[end + 1] -= u.gathered_bytes
+            for a, b in _union(self._gathered[i], start, end):
+                series[a] -= u.gathered_bytes
+                series[b + 1] += u.gathered_bytes
+        self._recompute_series[fqn] = list(itertools.accumulate(series[:-1]))
+        return self._recompute_series[fqn]
+
+    def units_inside(self, fqn: str) -> list[FSDPUnit]:
+        """The units strictly inside module ``fqn``."""
+        return [u for u in self.layout.units if u.fqn != fqn and _inside(u.fqn, fqn)]

@@ -23,8 +23,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_sac import AutoSAC, apply_plan, profile_model
-from lightning_sac.demos.lightning import GPTModule
 from lightning_sac.demos import GPTConfig
+from lightning_sac.demos.lightning import GPTModule
 from lightning_sac.dryrun.measured import measure_training_step
 
 MIB = 2**20

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_sac.lightning.fit_step as fit_step_module
 from lightning_sac import AutoSAC, BudgetError, Plan, ProfilingError
-from lightning_sac.demos.lightning import GPTModule
 from lightning_sac.demos import GPTConfig
+from lightning_sac.demos.lightning import GPTModule
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
 GIB = 2**30

@@ -31,8 +31,8 @@ from torch._dynamo.utils import counters
 from lightning_sac import AutoSAC, apply_plan, profile_model, solve_plan
 from lightning_sac.adapters.compiled import compiled_parts, uncompiled
 from lightning_sac.apply.planned import PlannedForward
-from lightning_sac.demos.lightning import GPTModule
 from lightning_sac.demos import GPT, GPTConfig
+from lightning_sac.demos.lightning import GPTModule
 
 GIB = 2**30
 SLACK = 1.02  # the allowance over the budget for a measured batch peak

@@ -225,9 +225,16 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="replicated (DDP: every device holds all parameters, gradients, optimizer state) or sharded (FSDP: "
         "those divided over --world-size devices)",
     )
-    parser.add_argument("--estimate", choices=["roofline", "benchmark"], default="roofline")
+    parser.add_argument(
+        "--estimate",
+        choices=["roofline", "benchmark"],
+        default="roofline",
+        help="step times from the device's datasheet (roofline) or timed on this machine's CPU (benchmark)",
+    )
     parser.add_argument("--candidates", nargs="*", default=None, help="fqn glob patterns of checkpoint units")
-    parser.add_argument("--n-segments", type=int, default=2)
+    parser.add_argument(
+        "--n-segments", type=int, default=2, help="lines of each module's memory/recompute trade-off fit (default 2)"
+    )
     parser.add_argument(
         "--backend", choices=BACKENDS, default="sac", help="how the plan will be applied (its recompute cost)"
     )

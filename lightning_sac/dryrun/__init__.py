@@ -20,7 +20,6 @@ from lightning_sac.dryrun.measured import (
     MemoryTimeline,
     QuietProfile,
     event_name,
-    filtered_native_output,
     memory_timeline,
     unique_bytes,
 )
@@ -62,7 +61,6 @@ __all__ = [
     "OptimizerFactory",
     "PHASES",
     "QuietProfile",
-    "filtered_native_output",
     "StepSpec",
     "TIMELINE_CATEGORIES",
     "TimelineEvent",

@@ -13,12 +13,11 @@ not that chatter: a real warning printed there still reaches the user (:class:`Q
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,6 @@ __all__ = [
     "TIMELINE_CATEGORIES",
     "MeasuredStep",
     "QuietProfile",
-    "filtered_native_output",
     "filtered_native_stderr",
     "is_profiler_chatter",
     "MemoryTimeline",
@@ -61,46 +59,32 @@ def is_profiler_chatter(line: str) -> bool:
     return _CHATTER.match(line) is not None
 
 
-def _flush_c_stdio() -> None:
-    # No C library to load (a platform without dlopen(NULL)): nothing is buffered there either.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).fflush(None)
-
-
 @contextlib.contextmanager
-def filtered_native_output(fd: int, noise: Callable[[str], bool]) -> Iterator[None]:
-    """Drop the lines ``noise`` picks that native code writes to descriptor ``fd`` (1 or 2) inside the block.
+def filtered_native_stderr() -> Iterator[None]:
+    """Drop Kineto's status lines written to descriptor 2 inside the block; pass every other line through.
 
-    Every other line is written back to ``sys.stdout`` (``fd`` 1) or ``sys.stderr`` (2) after the block. Where the
-    descriptor cannot be redirected (no such descriptor), the block runs unchanged.
+    Where descriptor 2 cannot be redirected (no such descriptor), the block runs unchanged.
     """
-    stream = sys.stdout if fd == 1 else sys.stderr
-    stream.flush()
+    sys.stderr.flush()
     try:
-        saved = os.dup(fd)
+        saved = os.dup(2)
     except OSError:
         yield
         return
     with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), fd)
+        os.dup2(sink.fileno(), 2)
         try:
             yield
         finally:
-            stream.flush()
-            _flush_c_stdio()  # native code's printf buffers a pipe's lines: out into the sink before it closes
-            os.dup2(saved, fd)
+            sys.stderr.flush()
+            os.dup2(saved, 2)
             os.close(saved)
             sink.seek(0)
             text = sink.read().decode(errors="replace")
-    kept = [line for line in text.splitlines(keepends=True) if not noise(line)]
+    kept = [line for line in text.splitlines(keepends=True) if not is_profiler_chatter(line)]
     if kept:
-        stream.write("".join(kept))
-        stream.flush()
-
-
-def filtered_native_stderr() -> contextlib.AbstractContextManager[None]:
-    """Drop Kineto's status lines written to descriptor 2 inside the block; pass every other line through."""
-    return filtered_native_output(2, is_profiler_chatter)
+        sys.stderr.write("".join(kept))
+        sys.stderr.flush()
 
 
 class QuietProfile(profile):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from zoo import gpt2, lm_batch
 
 from lightning_sac import AutoSAC, profile_model
+from lightning_sac.plan import plan_unit
 
 GIB = 2**30
 
@@ -72,3 +74,20 @@ def test_autosac_fits_a_hugging_face_decoder_as_a_plain_fit_does(tmp_path):
         torch.testing.assert_close(q, p, msg=name)
     # The user's module is given its own forwards back at the end of fit.
     assert not any("forward" in m.__dict__ for m in planned.modules())
+
+
+def test_a_fit_says_whether_its_measured_step_stayed_within_budget_and_nothing_else_of_ours(tmp_path, caplog, capfd):
+    model = gpt2().model
+    profile = profile_model(model, lm_batch(128), optimizer_factory=lambda p: torch.optim.AdamW(p), device="cpu")
+    sac = AutoSAC(budget_gb=0.8 * profile.peak_bytes / GIB, log_figures=False)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO):
+        fit(HFModule(copy.deepcopy(model)), tmp_path, [sac])
+    assert sac.measured is not None and sac.plan is not None
+    verdicts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AutoSAC measured")]
+    unit = plan_unit(sac.plan, [sac.measured.peak_bytes])
+    figures = f"peak {unit(sac.measured.peak_bytes)}, predicted {unit(sac.plan.predicted_peak_bytes)}"
+    assert len(verdicts) == 1 and verdicts[0].endswith("to spare."), verdicts
+    assert f"{figures}, budget {unit(sac.plan.budget_bytes)}: within budget" in verdicts[0]
+    printed = capfd.readouterr()
+    assert "Running HiGHS" not in printed.out + printed.err  # the solver's banner

@@ -64,6 +64,14 @@ WRONG = {
         [*TINY_PLAN, "--budget-gb", "1", "--device", "H100-SMX"],
         ["did you mean H100-SXM?", "lightning-sac devices"],
     ),
+    "a GPU family, not a GPU": (
+        [*TINY_PLAN, "--budget-gb", "1", "--device", "H100"],
+        ["the table has H100-PCIe (80 GiB), H100-SXM (80 GiB)", "--device H100-PCIe"],
+    ),
+    "another GPU family": (
+        [*TINY_PLAN, "--budget-gb", "1", "--device", "A100"],
+        ["the table has A100-40GB (40 GiB), A100-80GB (80 GiB)", "--device A100-40GB"],
+    ),
     "sharded on one device": (
         [*TINY_PLAN, "--budget-gb", "1", "--sharding", "sharded"],
         ["world size is 1", "add --world-size N"],

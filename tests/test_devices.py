@@ -14,6 +14,7 @@ from lightning_sac.devices import (
     DeviceSpec,
     UnknownDeviceError,
     detect_device,
+    device_family,
     get_device_spec,
     known_devices,
 )
@@ -385,3 +386,18 @@ def test_detect_device_unknown_gpu_warns_and_uses_default(monkeypatch: pytest.Mo
     assert spec.memory_bytes == 8 * 2**30
     assert spec.tflops == DEVICE_SPECS["A100-40GB"].tflops
     assert spec.is_cuda
+
+
+FAMILIES = [("H100", ["H100-PCIe", "H100-SXM"]), ("a100", ["A100-40GB", "A100-80GB"])]
+
+
+@pytest.mark.parametrize(("name", "family"), FAMILIES)
+def test_a_family_name_lists_its_devices_and_picks_none(name, family):
+    # The CLI once suggested V100 for "H100" and "A100" (the nearest spelling): a plan for the wrong card.
+    assert device_family(name) == family
+    with pytest.raises(UnknownDeviceError, match="is not a full device name") as info:
+        get_device_spec(name)
+    message = str(info.value)
+    assert all(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" in message for n in family) and "V100" not in message
+    assert device_family("L40") == ["L40S"]  # listed, not taken for it
+    assert device_family("H100-SXM") == [] and device_family("x") == []

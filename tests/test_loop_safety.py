@@ -4,6 +4,7 @@ replaced, and its own measurement of a planned step taken without changing the s
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,20 @@ def test_own_measurement_of_an_accumulation_cycle_agrees_with_an_independent_one
     assert own.plan is not None and other.plan is not None and own.measured is not None
     assert own.plan.decisions == other.plan.decisions and len(peaks.peaks) == 4
     assert own.measured.peak_bytes == pytest.approx(max(peaks.peaks[2:]), rel=0.015)
+
+
+def test_a_budget_above_the_device_memory_is_said_once():
+    from types import SimpleNamespace
+
+    from lightning_sac.devices import get_device_spec
+
+    spec = get_device_spec("L4")  # 24 GiB
+    sac = AutoSAC(budget_gb=100)
+    strategy = SimpleNamespace(model=torch.nn.Linear(2, 2))
+    trainer = SimpleNamespace(strategy=strategy, lightning_module=None, world_size=1)
+    with pytest.warns(UserWarning, match=r"budget_gb=100 is more than L4's 24 GiB.*at most 24"):
+        assert sac._settings(trainer, spec) == (100.0, 1, "replicated")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sac._settings(trainer, spec)  # the next batch shape's plan: not said again
+        AutoSAC(budget_gb=20)._settings(trainer, spec)  # within the device: nothing to say

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +40,24 @@ def test_quiet_profile_records_the_same_events_without_the_chatter(capfd):
         return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
 
     assert allocations(quiet) == allocations(loud) and allocations(quiet)
+
+
+def test_the_solver_prints_no_banner_and_the_users_output_stays(tmp_path):
+    # HiGHS prints its two-line banner from C++ once per process, at the first instance: a fresh interpreter.
+    script = tmp_path / "solve.py"
+    script.write_text(
+        "import os\n"
+        "from lightning_sac.solver.highs import new_highs\n"
+        "print('before', flush=True)\n"
+        "new_highs(time_limit_s=1.0, mip_gap=0.01)\n"
+        "os.write(1, b'native output of the user\\n')\n"
+        "print('after')\n"
+    )
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]  # this checkout's package, whatever is installed
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout == "before\nnative output of the user\nafter\n"
+    assert "HiGHS" not in done.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +115,22 @@ def test_without_a_tensorboard_logger_writes_its_own(tmp_path):
     assert scalar(acc, "budget_gib") == pytest.approx(1.0) and acc.Tags()["images"] == []
 
 
-def test_measured_above_budget_warns_loudly():
+def test_the_measured_step_gets_one_verdict_line_over_budget_a_warning(caplog):
     cb = AutoSAC(budget_gb=1.0)
     from lightning_sac import Plan
 
     cb.plan = Plan(budget_bytes=GIB, device="cpu", predicted_peak_bytes=GIB // 2)
-    with pytest.warns(UserWarning, match=r"1\.500 GiB, EXCEEDS the budget of 1\.000 GiB"):
+    over = r"peak 1\.500 GiB, predicted 0\.500 GiB, budget 1\.000 GiB: OVER BUDGET by 0\.500 GiB"
+    with pytest.warns(UserWarning, match=over):
         cb.compare_measured(3 * GIB // 2, "cpu", target_is_cuda=False)
-    cb.compare_measured(GIB // 2, "cpu", target_is_cuda=False)  # within budget: silent
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("error")  # within budget: information, no warning
+        cb.compare_measured(GIB * 3 // 4, "cpu", target_is_cuda=False)
+    verdicts = [r.getMessage() for r in caplog.records if "AutoSAC measured" in r.getMessage()]
+    assert verdicts == [
+        "AutoSAC measured the first planned step: peak 0.750 GiB, predicted 0.500 GiB, budget 1.000 GiB: within "
+        "budget, 0.250 GiB to spare."
+    ]
 
 
 def test_report_command_writes_panels_without_training(tmp_path: Any, capsys):

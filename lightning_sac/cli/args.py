@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning_sac.devices import DeviceSpec, UnknownDeviceError, get_device_spec, known_devices
+from lightning_sac.devices import (
+    DEVICE_SPECS,
+    DeviceSpec,
+    UnknownDeviceError,
+    device_family,
+    get_device_spec,
+    known_devices,
+)
 
 __all__ = [
     "CliParser",
@@ -116,6 +123,13 @@ def _device(name: str | None, notes: list[str]) -> DeviceSpec:
     try:
         return get_device_spec(name)
     except UnknownDeviceError:
+        family = device_family(name)
+        if family:  # "H100": the user picks the part; a near name would be another GPU
+            listed = ", ".join(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" for n in family)
+            raise UsageError(
+                f"device {name!r} is not a full device name; the table has {listed}: type the one you train on, e.g. "
+                f"--device {family[0]} (their figures: lightning-sac devices)"
+            ) from None
         guess = closest(name, known_devices())
         if guess is not None:
             raise UsageError(

@@ -6,7 +6,7 @@ and time with: capacity, throughput, bandwidth, the allocator's rounding, what t
 
 from __future__ import annotations
 
-from lightning_sac.devices.lookup import DEVICE_SPECS, detect_device, get_device_spec, known_devices
+from lightning_sac.devices.lookup import DEVICE_SPECS, detect_device, device_family, get_device_spec, known_devices
 from lightning_sac.devices.spec import DeviceSpec, UnknownDeviceError
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "DeviceSpec",
     "UnknownDeviceError",
     "detect_device",
+    "device_family",
     "get_device_spec",
     "known_devices",
 ]

@@ -27,7 +27,7 @@ from lightning_sac.devices.table import (
     blas_workspace_bytes,
 )
 
-__all__ = ["DEVICE_SPECS", "detect_device", "get_device_spec", "known_devices"]
+__all__ = ["DEVICE_SPECS", "detect_device", "device_family", "get_device_spec", "known_devices"]
 
 
 def _host_memory_gib() -> float:
@@ -84,7 +84,26 @@ _DRIVER_NAME_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 )
 
 
+def device_family(name: str) -> list[str]:
+    """The table's devices whose names begin with ``name`` (ignoring case, ``-``, ``_`` and spaces).
+
+    ``"H100"`` gives ``["H100-PCIe", "H100-SXM"]``. A family is never resolved to one of its members, even a family
+    of one (``"L40"`` is not an ``"L40S"``): the user picks.
+    """
+    key = _normalize(name)
+    if len(key) < 2:
+        return []
+    return [n for n in sorted(DEVICE_SPECS) if n != "cpu" and _normalize(n).startswith(key) and _normalize(n) != key]
+
+
 def _unknown_device_message(device: str) -> str:
+    family = device_family(device)
+    if family:
+        listed = ", ".join(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" for n in family)
+        return (
+            f"Device {device!r} is not a full device name; the table has {listed}. Name the one you train on, e.g. "
+            f"{family[0]!r}, or pass your own DeviceSpec."
+        )
     return (
         f"Unknown device {device!r}. Known devices: {', '.join(known_devices())} (matched ignoring case, "
         "'-', '_' and spaces), or 'auto' to detect the visible device. For other hardware pass your own "

@@ -20,6 +20,7 @@ from lightning_sac.dryrun.measured import (
     MemoryTimeline,
     QuietProfile,
     event_name,
+    filtered_native_output,
     memory_timeline,
     unique_bytes,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "OptimizerFactory",
     "PHASES",
     "QuietProfile",
+    "filtered_native_output",
     "StepSpec",
     "TIMELINE_CATEGORIES",
     "TimelineEvent",

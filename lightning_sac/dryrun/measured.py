@@ -13,11 +13,12 @@ not that chatter: a real warning printed there still reaches the user (:class:`Q
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "TIMELINE_CATEGORIES",
     "MeasuredStep",
     "QuietProfile",
+    "filtered_native_output",
     "filtered_native_stderr",
     "is_profiler_chatter",
     "MemoryTimeline",
@@ -59,32 +61,46 @@ def is_profiler_chatter(line: str) -> bool:
     return _CHATTER.match(line) is not None
 
 
-@contextlib.contextmanager
-def filtered_native_stderr() -> Iterator[None]:
-    """Drop Kineto's status lines written to descriptor 2 inside the block; pass every other line through.
+def _flush_c_stdio() -> None:
+    # No C library to load (a platform without dlopen(NULL)): nothing is buffered there either.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)
 
-    Where descriptor 2 cannot be redirected (no such descriptor), the block runs unchanged.
+
+@contextlib.contextmanager
+def filtered_native_output(fd: int, noise: Callable[[str], bool]) -> Iterator[None]:
+    """Drop the lines ``noise`` picks that native code writes to descriptor ``fd`` (1 or 2) inside the block.
+
+    Every other line is written back to ``sys.stdout`` (``fd`` 1) or ``sys.stderr`` (2) after the block. Where the
+    descriptor cannot be redirected (no such descriptor), the block runs unchanged.
     """
-    sys.stderr.flush()
+    stream = sys.stdout if fd == 1 else sys.stderr
+    stream.flush()
     try:
-        saved = os.dup(2)
+        saved = os.dup(fd)
     except OSError:
         yield
         return
     with tempfile.TemporaryFile(mode="w+b") as sink:
-        os.dup2(sink.fileno(), 2)
+        os.dup2(sink.fileno(), fd)
         try:
             yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
+            stream.flush()
+            _flush_c_stdio()  # native code's printf buffers a pipe's lines: out into the sink before it closes
+            os.dup2(saved, fd)
             os.close(saved)
             sink.seek(0)
             text = sink.read().decode(errors="replace")
-    kept = [line for line in text.splitlines(keepends=True) if not is_profiler_chatter(line)]
+    kept = [line for line in text.splitlines(keepends=True) if not noise(line)]
     if kept:
-        sys.stderr.write("".join(kept))
-        sys.stderr.flush()
+        stream.write("".join(kept))
+        stream.flush()
+
+
+def filtered_native_stderr() -> contextlib.AbstractContextManager[None]:
+    """Drop Kineto's status lines written to descriptor 2 inside the block; pass every other line through."""
+    return filtered_native_output(2, is_profiler_chatter)
 
 
 class QuietProfile(profile):

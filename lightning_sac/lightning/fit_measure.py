@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
 
 from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, memory_timeline, tensors_of, unique_bytes
-from lightning_sac.plan import Plan
+from lightning_sac.plan import Plan, plan_unit
 
 __all__ = ["StepMeasurement", "compare_measured", "window_peak"]
 
@@ -127,7 +127,10 @@ class StepMeasurement:
 
 
 def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
-    """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
+    """Say on rank 0 whether the measured peak on the planned device stayed within the budget, in one line.
+
+    A warning when it did not: the plan did not hold.
+    """
     if ("cuda" if target_is_cuda else "cpu") != device_type:
         rank_zero_info(
             f"AutoSAC planned for {plan.device} but trains on {device_type}: the measured peak "
@@ -136,12 +139,21 @@ def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_i
         return
     # On a GPU the budget also holds the CUDA context, NCCL and the allocator's slack (Plan.reserve), which no
     # allocation event shows: the measured peak is held to what is left for allocations.
-    if measured_bytes > plan.allocated_budget_bytes:
-        reserve = sum(plan.reserve.values()) / _GIB
-        kept = f", of which {reserve:.3f} GiB is kept for the device's reserve" if plan.reserve else ""
+    allowed = plan.allocated_budget_bytes
+    unit = plan_unit(plan, [measured_bytes])
+    reserve = f" ({unit(sum(plan.reserve.values()))} of it kept for the device's reserve)" if plan.reserve else ""
+    figures = (
+        f"peak {unit(measured_bytes)}, predicted {unit(plan.predicted_peak_bytes)}, budget {unit(plan.budget_bytes)}"
+        f"{reserve}"
+    )
+    if measured_bytes > allowed:
         rank_zero_warn(
-            f"AutoSAC: the measured peak of a planned step, {measured_bytes / _GIB:.3f} GiB, EXCEEDS "
-            f"the budget of {plan.budget_gb:.3f} GiB{kept} (predicted {plan.predicted_peak_bytes / _GIB:.3f} "
-            "GiB). The plan did not take effect as planned or the estimate was wrong; lower the budget or "
-            "check the warnings above."
+            f"AutoSAC measured the first planned step: {figures}: OVER BUDGET by {unit(measured_bytes - allowed)}. "
+            "The plan did not take effect as planned or the estimate was wrong; lower the budget or check the "
+            "warnings above."
+        )
+    else:
+        rank_zero_info(
+            f"AutoSAC measured the first planned step: {figures}: within budget, "
+            f"{unit(allowed - measured_bytes)} to spare."
         )

@@ -7,6 +7,7 @@ when a plan at hand fits the run.
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,13 @@ class PlanningMixin:
 
     def _settings(self, trainer: pl.Trainer, spec: DeviceSpec) -> tuple[float, int, str]:
         budget = self.budget_gb if self.budget_gb is not None else self.budget_fraction * spec.memory_gib  # type: ignore[operator]
+        if budget > spec.memory_gib and not getattr(self, "_said_budget_above_memory", False):
+            self._said_budget_above_memory = True  # once per callback, not per planned batch shape
+            rank_zero_warn(
+                f"AutoSAC: budget_gb={budget:g} is more than {spec.name}'s {spec.memory_gib:g} GiB: a plan for it may "
+                f"not fit on the device. Pass budget_gb at most {math.floor(spec.memory_gib * 10) / 10:g}, or "
+                "budget_fraction=0.9 for 90% of the device."
+            )
         sharded = is_sharded(trainer.strategy.model or trainer.lightning_module) is not None
         return float(budget), trainer.world_size, "sharded" if sharded else "replicated"
 

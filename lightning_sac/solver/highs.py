@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import re
+
 import highspy
 
+from lightning_sac.dryrun import filtered_native_output
+
 __all__ = ["new_highs"]
+
+# HiGHS prints its banner from C++ to descriptor 1 when the process makes its first instance, before any option
+# can silence it: "Running HiGHS 1.16.0 (git hash: ...): Copyright (c) ..." and "Includes third-party software ...".
+_BANNER = re.compile(r"^(Running HiGHS \d|Includes third-party software components)")
 
 
 def new_highs(*, time_limit_s: float, mip_gap: float) -> highspy.Highs:
     """Return a silent HiGHS with a time limit, a relative MIP gap and a fixed seed (same input, same answer)."""
-    h = highspy.Highs()
+    with filtered_native_output(1, lambda line: _BANNER.match(line) is not None):
+        h = highspy.Highs()
     h.silent()
     h.setOptionValue("time_limit", float(time_limit_s))
     h.setOptionValue("mip_rel_gap", float(mip_gap))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,15 @@ from torch import nn
 from lightning_sac import ModelProfile, ModuleOpStats, profile_model
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
 from lightning_sac.solver.tradeoff import module_tradeoff
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_panels_left_in_the_working_directory():  # noqa: ANN202
+    # AutoSAC writes its panels under the Trainer's default_root_dir, the working directory unless a test names one.
+    logs = Path.cwd() / "lightning_sac_logs"
+    existed = logs.exists()
+    yield
+    assert existed or not logs.exists(), f"a test left {logs}: give its Trainer default_root_dir=tmp_path"
 
 
 @pytest.fixture(autouse=True)

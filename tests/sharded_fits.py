@@ -126,7 +126,7 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
     raise ValueError(name)
 
 
-def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str = "layers") -> LlamaModule:
+def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str, root: str) -> LlamaModule:
     pl.seed_everything(0)
     module = LlamaModule(fsdp2=strategy == "fsdp2", units=units)
     trainer = pl.Trainer(
@@ -137,6 +137,7 @@ def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], u
         max_steps=STEPS,
         callbacks=callbacks,
         logger=False,
+        default_root_dir=root,  # AutoSAC's panels: in the test's folder, not the working directory
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -190,14 +191,14 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
     torch.set_num_threads(1)
     for strategy, precision in [(s, p) for s in strategies for p in precisions]:
         plain_peaks = BatchPeaks(at_train_start=True)
-        plain = _fit(strategy, precision, world_size, [plain_peaks], units)
+        plain = _fit(strategy, precision, world_size, [plain_peaks], units, out)
         peak = torch.tensor(max(plain_peaks.peaks))
         if world_size > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         budget = int(0.8 * int(peak))
         sac = AutoSAC(budget_gb=budget / 2**30, measure=False, log_figures=False, **autosac)
         planned_peaks, calls = BatchPeaks(at_train_start=True), _Calls(sac)
-        planned = _fit(strategy, precision, world_size, [sac, planned_peaks, calls], units)
+        planned = _fit(strategy, precision, world_size, [sac, planned_peaks, calls], units, out)
         assert sac.plan is not None
         result = CellResult(
             rank=rank,
@@ -237,9 +238,7 @@ def run_cells(
     out.mkdir(parents=True, exist_ok=True)
     start_ranks(_rank, ((strategies, precisions, world_size, autosac), _free_port(), str(out)), world_size)
     return {
-        (s, p): [
-            CellResult(**json.loads(Path(out, f"{s}_{p}_rank{r}.json").read_text())) for r in range(world_size)
-        ]
+        (s, p): [CellResult(**json.loads(Path(out, f"{s}_{p}_rank{r}.json").read_text())) for r in range(world_size)]
         for s in strategies
         for p in precisions
     }

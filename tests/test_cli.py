@@ -144,7 +144,7 @@ def _check_plan_once(folder: Path, run: Run) -> None:
     assert out.count("peak per device") == 1 and out.count("profile of one training step") == 1
     # One unit on the screen (the model's figures are under 1 GiB) and the peak reads as within the budget.
     assert "GiB" not in out and "MiB" in out
-    found = re.search(r": ([\d.]+) MiB with the plan \(its recompute included\), budget ([\d.]+) MiB", out)
+    found = re.search(r": ([\d.]+) MiB of ([\d.]+) MiB budget with the plan \(recompute included\)", out)
     assert found is not None, out
     peak, budget = map(float, found.groups())
     assert peak <= budget == pytest.approx(plan.budget_bytes / MIB, abs=0.05)
@@ -270,7 +270,8 @@ def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
         direct.unconstrained_peak_bytes,
     )
     assert cli.predicted_recompute_ms == direct.predicted_recompute_ms
-    assert f"{direct.predicted_peak_bytes / GIB:.3f} GiB with the plan" in printed
+    device_total = direct.predicted_peak_bytes + sum(direct.reserve.values())  # the peak the budget bounds
+    assert f"{device_total / GIB:.3f} GiB of 7.500 GiB budget with the plan" in printed
     assert f"peak {profile.peak_bytes / GIB:.3f} GiB" in printed  # the profile's: one device, whole model
     assert "world size 8, sharded" in printed and "(sharded, world size 8)" in printed
     # The budget keeps the device's reserve (CUDA context, NCCL on 8 ranks, cuBLAS, fragmentation): said, in GiB.

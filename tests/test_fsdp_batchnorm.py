@@ -60,7 +60,7 @@ class ResNetModule(pl.LightningModule):
         return DataLoader(batches, batch_size=None)
 
 
-def _fit(callbacks: list[Any]) -> ResNetModule:
+def _fit(callbacks: list[Any], root: str) -> ResNetModule:
     pl.seed_everything(0)
     module = ResNetModule()
     trainer = pl.Trainer(
@@ -70,6 +70,7 @@ def _fit(callbacks: list[Any]) -> ResNetModule:
         max_steps=2,
         callbacks=callbacks,
         logger=False,
+        default_root_dir=root,  # AutoSAC's panels: in the test's folder, not the working directory
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -89,11 +90,11 @@ def _rank(rank: int, port: int, out: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    plain = _fit([])
+    plain = _fit([], out)
     sac = AutoSAC(budget_gb=1e-6, strict=False, measure=False, log_figures=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the budget is below any plan on purpose
-        planned = _fit([sac])
+        planned = _fit([sac], out)
     assert sac.plan is not None
     torch.save(
         {

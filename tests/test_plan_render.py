@@ -10,10 +10,10 @@ from lightning_sac import ModuleDecision, Plan
 from lightning_sac.plan.table import LEGEND, choose_unit, render_plan_table
 
 GIB, MIB = 2**30, 2**20
-# The summary's peak line: with the plan, the budget, without a plan; all in one unit.
+# The summary's peak line: the device total with the plan of the budget, without a plan; all in one unit.
 PEAK_LINE = re.compile(
-    r"peak per device \((\w+), world size (\d+)\): ([\d.]+) (MiB|GiB) with the plan \(its recompute included\), "
-    r"budget ([\d.]+) \4; ([\d.]+) \4 without a plan"
+    r"peak per device \((\w+), world size (\d+)\): ([\d.]+) (MiB|GiB) of ([\d.]+) \4 budget with the plan "
+    r"\(recompute included(?:; [\d.]+ \4 CUDA reserve included)?\); ([\d.]+) \4 without a plan"
 )
 
 
@@ -68,7 +68,7 @@ def test_one_unit_per_screen_with_the_precision_of_its_size():
     # the freed column in the same unit: 4 GiB - 7 MiB
     assert f"{(4 * GIB - 7 * MIB) / GIB:.3f}" in big and "3.993" in big
     small = _plan(50 * MIB, 40 * MIB, 80 * MIB).table()
-    assert "GiB" not in small and "40.0 MiB with the plan" in small and "freed MiB" in small
+    assert "GiB" not in small and "40.0 MiB of 50.0 MiB budget with the plan" in small and "freed MiB" in small
 
 
 def test_the_legend_is_one_line_under_the_table():
@@ -93,5 +93,27 @@ def test_a_plan_without_decisions_has_no_table():
     plan = Plan(budget_bytes=2 * GIB, device="cpu", predicted_peak_bytes=GIB, unconstrained_peak_bytes=GIB)
     text = plan.table()
     assert text.splitlines()[0] == "no module needs checkpointing"
-    assert LEGEND not in text and "peak per device (replicated, world size 1): 1.000 GiB, budget 2.000 GiB" in text
+    assert LEGEND not in text and "peak per device (replicated, world size 1): 1.000 GiB of 2.000 GiB budget" in text
     assert text == render_plan_table(plan)
+
+
+def test_a_peak_is_the_device_total_with_the_reserve_named_inside_it():
+    # The issue's case: a 12 GiB budget keeping 0.566 GiB for the device; the tensors' peak alone would read as
+    # 0.6 GiB of headroom where there are 0.04.
+    reserve = {"context_bytes": 709 * MIB, "blas_workspace_bytes": 64 * MIB}  # 0.755 GiB
+    total = sum(reserve.values())
+    plan = _plan(12 * GIB, int(11.96 * GIB) - total, int(17.35 * GIB) - total)
+    plan.reserve = reserve
+    text = plan.table()
+    assert (
+        "peak per device (replicated, world size 1): 11.960 GiB of 12.000 GiB budget with the plan (recompute "
+        "included; 0.755 GiB CUDA reserve included); 17.350 GiB without a plan"
+    ) in text
+    assert PEAK_LINE.search(text).group(3, 5, 6) == ("11.960", "12.000", "17.350")
+    tensors = f"{plan.tensor_budget_bytes / GIB:.3f}"
+    assert f"the tensors get {tensors} GiB of the budget" in text and tensors == "11.245"
+    # A budget under 1 GiB: the whole screen in MiB, the reserve included.
+    small = _plan(900 * MIB, 500 * MIB, 1200 * MIB)
+    small.reserve = {"context_bytes": 300 * MIB}
+    assert "800.0 MiB of 900.0 MiB budget with the plan" in small.table()
+    assert "1500.0 MiB without a plan" in small.table() and "GiB" not in small.table()

@@ -42,6 +42,7 @@ def test_quiet_profile_records_the_same_events_without_the_chatter(capfd):
     assert allocations(quiet) == allocations(loud) and allocations(quiet)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_the_solver_prints_no_banner_and_the_users_output_stays(tmp_path):
     # HiGHS prints its two-line banner from C++ once per process, at the first instance: a fresh interpreter.
     script = tmp_path / "solve.py"
@@ -61,3 +62,30 @@ def test_the_solver_prints_no_banner_and_the_users_output_stays(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
     assert done.stdout == "before\nnative output of the user\nafter\n"
     assert "HiGHS" not in done.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter each
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_measured_step_prints_no_unknown_block_notice_of_the_allocator(tmp_path, quiet):
+    # c10 logs the notice at the process's first free, under a memory profiler, of a block from before it started:
+    # a fresh interpreter each, the plain profiler as the control that shows it.
+    profiler = "QuietProfile" if quiet else "profile"
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.profiler import profile\n"
+        "from lightning_sac.dryrun.measured import QuietProfile\n"
+        "older = torch.ones(1024)\n"
+        f"with {profiler}(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):\n"
+        "    del older\n"
+        "    (torch.ones(8) * 2).sum()\n"
+        "print('done')\n"
+    )
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout == "done\n"
+    assert ("Memory block of unknown size" in done.stderr) is not quiet, done.stderr

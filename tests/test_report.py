@@ -120,7 +120,7 @@ def test_the_measured_step_gets_one_verdict_line_over_budget_a_warning(caplog):
     from lightning_sac import Plan
 
     cb.plan = Plan(budget_bytes=GIB, device="cpu", predicted_peak_bytes=GIB // 2)
-    over = r"peak 1\.500 GiB, predicted 0\.500 GiB, budget 1\.000 GiB: OVER BUDGET by 0\.500 GiB"
+    over = r"peak 1\.500 GiB of 1\.000 GiB budget, predicted 0\.500 GiB: OVER BUDGET by 0\.500 GiB"
     with pytest.warns(UserWarning, match=over):
         cb.compare_measured(3 * GIB // 2, "cpu", target_is_cuda=False)
     with caplog.at_level(logging.INFO), warnings.catch_warnings():
@@ -128,9 +128,28 @@ def test_the_measured_step_gets_one_verdict_line_over_budget_a_warning(caplog):
         cb.compare_measured(GIB * 3 // 4, "cpu", target_is_cuda=False)
     verdicts = [r.getMessage() for r in caplog.records if "AutoSAC measured" in r.getMessage()]
     assert verdicts == [
-        "AutoSAC measured the first planned step: peak 0.750 GiB, predicted 0.500 GiB, budget 1.000 GiB: within "
+        "AutoSAC measured the first planned step: peak 0.750 GiB of 1.000 GiB budget, predicted 0.500 GiB: within "
         "budget, 0.250 GiB to spare."
     ]
+
+
+def test_the_verdict_states_the_device_total_with_the_reserve_named_inside(caplog):
+    from lightning_sac import Plan
+
+    cb = AutoSAC(budget_gb=1.0)
+    reserve = {"context_bytes": GIB // 8, "blas_workspace_bytes": GIB // 8}  # a quarter of the budget kept
+    cb.plan = Plan(budget_bytes=GIB, device="H100-SXM", predicted_peak_bytes=GIB // 2, reserve=reserve)
+    with caplog.at_level(logging.INFO), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cb.compare_measured(GIB * 5 // 8, "cuda", target_is_cuda=True)  # 0.625 + 0.25 = 0.875 of 1
+    verdicts = [r.getMessage() for r in caplog.records if "AutoSAC measured" in r.getMessage()]
+    assert verdicts == [
+        "AutoSAC measured the first planned step: peak 0.875 GiB of 1.000 GiB budget (0.250 GiB CUDA reserve "
+        "included), predicted 0.750 GiB: within budget, 0.125 GiB to spare."
+    ]
+    # The tensors alone would fit (0.875 GiB); with the reserve they do not.
+    with pytest.warns(UserWarning, match=r"peak 1\.125 GiB of 1\.000 GiB budget .*OVER BUDGET by 0\.125 GiB"):
+        cb.compare_measured(GIB * 7 // 8, "cuda", target_is_cuda=True)
 
 
 def test_report_command_writes_panels_without_training(tmp_path: Any, capsys):

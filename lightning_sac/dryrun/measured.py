@@ -8,6 +8,12 @@ straight to file descriptor 2 from C++ each time a profiler starts or stops, wha
 ``sys.stderr`` cannot catch them, so :func:`filtered_native_stderr` points descriptor 2 at a temporary file
 around the profiler's own start and stop only (never around the user's code) and writes back every line that is
 not that chatter: a real warning printed there still reaches the user (:class:`QuietProfile`).
+
+c10's CPU allocator logs ``Memory block of unknown size was allocated before the profiling started`` at the first
+free, under a memory profiler, of a block allocated before it started, then at every 1000th (a counter kept for
+the process). Such frees are the rule in a measured training step (the previous step's activations, gradients
+and batch), and their absence from the record is what the measurement expects (it starts from the live tensors'
+bytes). :class:`QuietProfile` spends the first of those notices inside its filtered start, on a block of its own.
 """
 
 from __future__ import annotations
@@ -56,9 +62,17 @@ __all__ = [
 _CHATTER = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+\.cpp:\d+\] ")
 
 
+# "[W1126 15:34:33.873150545 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the ..."
+_UNKNOWN_BLOCK = re.compile(r"^\[W\d{4} [\d:.]+ CPUAllocator\.cpp:\d+\] Memory block of unknown size")
+
+
 def is_profiler_chatter(line: str) -> bool:
     """Whether ``line`` is one of Kineto's status lines (``USDT: ...`` / ``STAGE: ...``)."""
     return _CHATTER.match(line) is not None
+
+
+def _is_start_noise(line: str) -> bool:
+    return is_profiler_chatter(line) or _UNKNOWN_BLOCK.match(line) is not None
 
 
 def _flush_c_stdio() -> None:
@@ -68,11 +82,13 @@ def _flush_c_stdio() -> None:
 
 
 @contextlib.contextmanager
-def filtered_native_output(fd: int, noise: Callable[[str], bool]) -> Iterator[None]:
+def filtered_native_output(fd: int, noise: Callable[[str], bool], *, flush_c_stdio: bool = False) -> Iterator[None]:
     """Drop the lines ``noise`` picks that native code writes to descriptor ``fd`` (1 or 2) inside the block.
 
     Every other line is written back to ``sys.stdout`` (``fd`` 1) or ``sys.stderr`` (2) after the block. Where the
-    descriptor cannot be redirected (no such descriptor), the block runs unchanged.
+    descriptor cannot be redirected (no such descriptor), the block runs unchanged. ``flush_c_stdio`` flushes the C
+    library's buffers before the descriptor is restored: needed for code that prints with ``printf`` (buffered when
+    descriptor 1 is a pipe), not for ``stderr`` (unbuffered), so the profiler's own path leaves C stdio alone.
     """
     stream = sys.stdout if fd == 1 else sys.stderr
     stream.flush()
@@ -87,7 +103,8 @@ def filtered_native_output(fd: int, noise: Callable[[str], bool]) -> Iterator[No
             yield
         finally:
             stream.flush()
-            _flush_c_stdio()  # native code's printf buffers a pipe's lines: out into the sink before it closes
+            if flush_c_stdio:
+                _flush_c_stdio()  # native code's printf buffers a pipe's lines: out into the sink before it closes
             os.dup2(saved, fd)
             os.close(saved)
             sink.seek(0)
@@ -111,9 +128,11 @@ class QuietProfile(profile):
     """
 
     def start(self) -> None:
-        """Start profiling, filtering Kineto's status lines."""
-        with filtered_native_stderr():
+        """Start profiling, filtering Kineto's status lines and spending c10's unknown-block notice."""
+        primer = torch.empty(1) if self.profile_memory else None  # a CPU block from before the start
+        with filtered_native_output(2, _is_start_noise):
             super().start()
+            del primer  # its free is the process's first unknown-size one while profiling: the notice, filtered
 
     def stop(self) -> None:
         """Stop profiling, filtering Kineto's status lines."""

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
 
 from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, memory_timeline, tensors_of, unique_bytes
-from lightning_sac.plan import Plan, plan_unit
+from lightning_sac.plan import Plan, device_peak, plan_unit, reserve_bytes, reserve_note
 
 __all__ = ["StepMeasurement", "compare_measured", "window_peak"]
 
@@ -138,22 +138,20 @@ def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_i
         )
         return
     # On a GPU the budget also holds the CUDA context, NCCL and the allocator's slack (Plan.reserve), which no
-    # allocation event shows: the measured peak is held to what is left for allocations.
-    allowed = plan.allocated_budget_bytes
+    # allocation event shows: the device total is the measured tensors plus that reserve, as the plan states its peak.
     unit = plan_unit(plan, [measured_bytes])
-    reserve = f" ({unit(sum(plan.reserve.values()))} of it kept for the device's reserve)" if plan.reserve else ""
-    figures = (
-        f"peak {unit(measured_bytes)}, predicted {unit(plan.predicted_peak_bytes)}, budget {unit(plan.budget_bytes)}"
-        f"{reserve}"
-    )
-    if measured_bytes > allowed:
+    note = reserve_note(plan, unit)
+    total = measured_bytes + reserve_bytes(plan)
+    figures = f"peak {device_peak(plan, measured_bytes, unit)}" + (f" ({note})" if note else "")
+    figures += f", predicted {unit(plan.predicted_peak_bytes + reserve_bytes(plan))}"
+    if total > plan.budget_bytes:
         rank_zero_warn(
-            f"AutoSAC measured the first planned step: {figures}: OVER BUDGET by {unit(measured_bytes - allowed)}. "
+            f"AutoSAC measured the first planned step: {figures}: OVER BUDGET by {unit(total - plan.budget_bytes)}. "
             "The plan did not take effect as planned or the estimate was wrong; lower the budget or check the "
             "warnings above."
         )
     else:
         rank_zero_info(
             f"AutoSAC measured the first planned step: {figures}: within budget, "
-            f"{unit(allowed - measured_bytes)} to spare."
+            f"{unit(plan.budget_bytes - total)} to spare."
         )

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from lightning_sac.plan.decisions import BACKENDS, ModuleDecision, Plan, check_backend
 from lightning_sac.plan.reserve import DeviceReserve, device_reserve
-from lightning_sac.plan.table import ByteUnit, choose_unit, plan_unit, render_plan_table, separating_unit
+from lightning_sac.plan.table import (
+    ByteUnit,
+    choose_unit,
+    device_peak,
+    plan_unit,
+    render_plan_table,
+    reserve_bytes,
+    reserve_note,
+    separating_unit,
+)
 
 __all__ = [
     "BACKENDS",
@@ -18,8 +27,11 @@ __all__ = [
     "ModuleDecision",
     "Plan",
     "choose_unit",
+    "device_peak",
     "device_reserve",
     "plan_unit",
     "render_plan_table",
+    "reserve_bytes",
+    "reserve_note",
     "separating_unit",
 ]

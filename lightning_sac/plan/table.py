@@ -2,8 +2,11 @@
 
 Rules the rendering keeps, because a reader compares the numbers by eye:
 
-- One unit per screen: GiB with 3 decimals when any figure shown reaches 1 GiB, else MiB (:func:`choose_unit`);
-  the CLI passes the unit of its profile header so that both use the same one.
+- One way to state a peak: the device total the budget bounds, the step's tensors plus the reserve the budget keeps
+  for the device (CUDA context, NCCL, cuBLAS workspaces, fragmentation), with the reserve named inside it:
+  ``peak 11.960 GiB of 12.000 GiB budget (0.566 GiB CUDA reserve included); 17.350 GiB without a plan``.
+- One unit per screen, chosen from the budget: GiB with 3 decimals from a budget of 1 GiB, else MiB
+  (:func:`choose_unit`); the CLI's profile header uses the plan's unit too.
 - A peak within the budget never prints above it: every figure is rounded to the same number of decimals, and
   rounding to nearest is monotone, so ``peak <= budget`` prints as ``peak <= budget``. A figure above the budget
   that would print equal to it gets more decimals (:func:`separating_unit`), on the whole screen.
@@ -19,7 +22,17 @@ from typing import Any, Protocol
 
 from lightning_sac.plan.reserve import DeviceReserve
 
-__all__ = ["LEGEND", "ByteUnit", "choose_unit", "render_plan_table", "separating_unit"]
+__all__ = [
+    "LEGEND",
+    "ByteUnit",
+    "choose_unit",
+    "device_peak",
+    "plan_unit",
+    "render_plan_table",
+    "reserve_bytes",
+    "reserve_note",
+    "separating_unit",
+]
 
 
 class Plan(Protocol):
@@ -106,12 +119,38 @@ def separating_unit(unit: ByteUnit, budget: float, values: Iterable[float]) -> B
     return unit
 
 
+def reserve_bytes(plan: Plan) -> int:
+    """What the budget keeps for the device besides the step's tensors (:mod:`lightning_sac.plan.reserve`)."""
+    return sum(plan.reserve.values())
+
+
 def plan_unit(plan: Plan, extra: Iterable[float] = ()) -> ByteUnit:
-    """The unit of a plan's rendering: chosen over its figures and ``extra`` ones, separating them from its budget."""
-    extra = list(extra)
-    figures = [plan.budget_bytes, plan.predicted_peak_bytes, plan.unconstrained_peak_bytes, *extra]
+    """The unit of a plan's rendering: chosen from its budget, with the decimals that keep its peaks apart from it.
+
+    Every peak is printed as the device total the budget bounds (the tensors' peak plus the reserve), so the
+    decimals separate those totals from the budget.
+
+    Args:
+        plan: The plan.
+        extra: More tensor peaks (bytes, the reserve not included) printed in the same unit, e.g. a measured one.
+    """
+    reserve = reserve_bytes(plan)
     peaks = [plan.predicted_peak_bytes, plan.unconstrained_peak_bytes, *extra]
-    return separating_unit(choose_unit(figures), plan.tensor_budget_bytes, peaks)
+    return separating_unit(choose_unit([plan.budget_bytes]), plan.budget_bytes, [p + reserve for p in peaks])
+
+
+def device_peak(plan: Plan, tensor_bytes: float, unit: ByteUnit) -> str:
+    """A tensor peak as the device total the budget bounds: ``"11.960 GiB of 12.000 GiB budget"``.
+
+    The reserve the total includes is named by :func:`reserve_note`.
+    """
+    return f"{unit(tensor_bytes + reserve_bytes(plan))} of {unit(plan.budget_bytes)} budget"
+
+
+def reserve_note(plan: Plan, unit: ByteUnit) -> str:
+    """``"0.566 GiB CUDA reserve included"``, or ``""`` for a plan without a reserve (a CPU target)."""
+    reserve = reserve_bytes(plan)
+    return f"{unit(reserve)} CUDA reserve included" if reserve else ""
 
 
 def _placement(plan: Plan) -> str:
@@ -127,15 +166,19 @@ def _placement(plan: Plan) -> str:
 
 def _summary(plan: Plan, unit: ByteUnit) -> list[str]:
     per_device = f"per device ({plan.sharding}, world size {plan.world_size})"
+    reserve = reserve_bytes(plan)
+    note = reserve_note(plan, unit)
     if plan.decisions:
+        included = f"recompute included; {note}" if note else "recompute included"
         peak = (
-            f"peak {per_device}: {unit(plan.predicted_peak_bytes)} with the plan (its recompute included), "
-            f"budget {unit(plan.budget_bytes)}; {unit(plan.unconstrained_peak_bytes)} without a plan"
+            f"peak {per_device}: {device_peak(plan, plan.predicted_peak_bytes, unit)} with the plan ({included}); "
+            f"{unit(plan.unconstrained_peak_bytes + reserve)} without a plan"
         )
     else:
-        peak = f"peak {per_device}: {unit(plan.predicted_peak_bytes)}, budget {unit(plan.budget_bytes)}"
+        peak = f"peak {per_device}: {device_peak(plan, plan.predicted_peak_bytes, unit)}"
+        peak += f" ({note})" if note else ""
         if plan.unconstrained_peak_bytes != plan.predicted_peak_bytes:
-            peak += f"; {unit(plan.unconstrained_peak_bytes)} with the model's KV caches on"
+            peak += f"; {unit(plan.unconstrained_peak_bytes + reserve)} with the model's KV caches on"
     base_ms = plan.predicted_step_ms - plan.predicted_recompute_ms - plan.predicted_overhead_ms
     extra = f"{plan.predicted_recompute_ms:.3f} ms of recompute"
     if plan.predicted_overhead_ms:
@@ -147,11 +190,11 @@ def _summary(plan: Plan, unit: ByteUnit) -> list[str]:
         step += " (compute of one device; communication is not modeled)"
     lines = [f"{plan.device}, {_placement(plan)}; plan for the {plan.backend} backend", peak, step]
     if plan.reserve:
-        reserve = DeviceReserve(**plan.reserve)
+        kept = DeviceReserve(**plan.reserve)
         lines.insert(
             2,
-            f"the budget keeps {unit(reserve.total)} for what the device holds besides the step's tensors "
-            f"({reserve.describe()}): the tensors get {unit(plan.tensor_budget_bytes)}",
+            f"the reserve: {unit(kept.total)} the device holds besides the step's tensors ({kept.describe()}); "
+            f"the tensors get {unit(plan.tensor_budget_bytes)} of the budget",
         )
     if plan.kv_cache_off:
         lines.append("the plan runs the model without KV caches in training, as it was profiled")

@@ -17,7 +17,7 @@ _BANNER = re.compile(r"^(Running HiGHS \d|Includes third-party software componen
 
 def new_highs(*, time_limit_s: float, mip_gap: float) -> highspy.Highs:
     """Return a silent HiGHS with a time limit, a relative MIP gap and a fixed seed (same input, same answer)."""
-    with filtered_native_output(1, lambda line: _BANNER.match(line) is not None):
+    with filtered_native_output(1, lambda line: _BANNER.match(line) is not None, flush_c_stdio=True):
         h = highspy.Highs()
     h.silent()
     h.setOptionValue("time_limit", float(time_limit_s))

@@ -10,28 +10,48 @@ import pytest
 import torch
 
 from lightning_sac.devices import (
+    DEVICE_ALIASES,
     DEVICE_SPECS,
     DeviceSpec,
     UnknownDeviceError,
     detect_device,
     device_family,
+    driver_name_entry,
     get_device_spec,
     known_devices,
+    match_device,
 )
+from lightning_sac.devices.names import model_of
 
 REQUIRED = [
     "A100-40GB",
     "A100-80GB",
+    "A800-40GB",
+    "A800-80GB",
     "H100-SXM",
     "H100-PCIe",
+    "H800",
+    "H20",
     "H200",
+    "GH200",
+    "B100",
     "B200",
+    "GB200",
+    "T4",
     "L4",
+    "L40",
     "L40S",
+    "A10",
     "A10G",
+    "A40",
+    "RTX-A6000",
+    "RTX-3090",
     "RTX-4090",
+    "RTX-5090",
     "V100",
+    "MI250X",
     "MI300X",
+    "MI325X",
     "cpu",
 ]
 
@@ -100,6 +120,10 @@ def test_known_devices_sorted_and_complete() -> None:
         ("CPU", "cpu"),
         ("l40s", "L40S"),
         ("l4", "L4"),
+        ("NVIDIA A100 80GB", "A100-80GB"),  # a leading vendor word is not part of the name
+        ("AMD Instinct MI325X", "MI325X"),
+        ("GeForce RTX 5090", "RTX-5090"),
+        ("Tesla T4", "T4"),
     ],
 )
 def test_lookup_ignores_case_and_separators(query: str, expected: str) -> None:
@@ -115,6 +139,35 @@ def test_unknown_name_raises_with_known_names() -> None:
     assert "DeviceSpec(" in message
     # Callers that catch ValueError keep working.
     assert isinstance(info.value, ValueError)
+
+
+def test_every_alias_names_one_entry_and_shadows_no_name() -> None:
+    names = {n.replace("-", "").lower() for n in DEVICE_SPECS}
+    for alias, entry in DEVICE_ALIASES.items():
+        assert get_device_spec(alias) is DEVICE_SPECS[entry], alias
+        assert match_device(alias).kind == "alias" and alias.replace("-", "").replace(" ", "").lower() not in names
+
+
+@pytest.mark.parametrize(
+    ("query", "kind", "offered"),
+    [
+        ("H100-80GB", "model", ("H100-PCIe", "H100-SXM")),  # both H100s have 80 GB: no alias, both listed
+        ("NVIDIA H100 80GB HBM3", "model", ("H100-PCIe", "H100-SXM")),
+        ("H100-SMX", "misspelling", ("H100-SXM",)),
+        ("A100-80GB-SXM", "misspelling", ("A100-80GB",)),
+        ("V10", "unknown", ()),  # not V100: a prefix that stops inside a number is another model
+        ("H900x", "unknown", ()),
+        ("RTX 4080", "unknown", ()),  # not the 4090 one digit away
+    ],
+)
+def test_a_name_of_no_entry_offers_only_its_own_model(query, kind, offered):
+    match = match_device(query)
+    assert (match.kind, match.candidates) == (kind, offered)
+    assert all(model_of(n) == model_of(query) for n in offered)
+    with pytest.raises(UnknownDeviceError) as info:
+        get_device_spec(query)
+    assert info.value.match == match
+    assert all(f"{n}" in str(info.value) for n in offered)
 
 
 def test_non_string_device_is_type_error() -> None:
@@ -174,13 +227,27 @@ def test_l4_dense_figures() -> None:
     assert l4.dram_gbps == 300.0
 
 
+# FP8 tensor math came with Ada (SM 8.9), Hopper and CDNA3; Volta and Turing have no BF16 or TF32, CDNA2 no TF32.
+NO_FP8 = ("A100-40GB", "A100-80GB", "A800-40GB", "A800-80GB", "A10", "A10G", "A40", "RTX-A6000", "RTX-3090", "T4")
+NO_FP8 += ("V100", "MI250X", "cpu")
+
+
 def test_fp8_only_where_it_exists() -> None:
-    for name in ("A100-40GB", "A100-80GB", "A10G", "V100", "cpu"):
+    for name in NO_FP8:
         assert "fp8" not in DEVICE_SPECS[name].tflops, name
-    for name in ("H100-SXM", "H100-PCIe", "H200", "B200", "L4", "L40S", "RTX-4090", "MI300X"):
+    for name in set(REQUIRED) - set(NO_FP8):
         assert "fp8" in DEVICE_SPECS[name].tflops, name
-    assert "bf16" not in DEVICE_SPECS["V100"].tflops
-    assert "tf32" not in DEVICE_SPECS["V100"].tflops
+    for name in ("V100", "T4"):
+        assert "bf16" not in DEVICE_SPECS[name].tflops and "tf32" not in DEVICE_SPECS[name].tflops, name
+    assert "tf32" not in DEVICE_SPECS["MI250X"].tflops
+
+
+def test_the_hip_blas_workspace_follows_the_amd_architecture() -> None:
+    # hipBLAS takes 128 MiB per handle on gfx94x (MI300X, MI325X), 32 MiB on the MI250X's gfx90a.
+    assert DEVICE_SPECS["MI300X"].blas_workspace_bytes == DEVICE_SPECS["MI325X"].blas_workspace_bytes == 128 * 2**20
+    assert DEVICE_SPECS["MI250X"].blas_workspace_bytes == 32 * 2**20
+    assert DEVICE_SPECS["RTX-5090"].blas_workspace_bytes == 32 * 2**20  # SM 12.0: torch's :4096:8
+    assert DEVICE_SPECS["T4"].blas_workspace_bytes == 2 * 4096 * 1024 + 8 * 16 * 1024
 
 
 @pytest.mark.parametrize("name", [n for n in REQUIRED if n != "cpu"])
@@ -346,6 +413,7 @@ def test_detect_device_fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
+# Near names each reach their own entry: L4 / L40 / L40S, H20 / H200 / GH200, A10 / A10G / A100, B200 / GB200.
 @pytest.mark.parametrize(
     ("driver_name", "entry"),
     [
@@ -358,15 +426,34 @@ def test_detect_device_fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
         ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
         ("NVIDIA A100 80GB PCIe", "A100-80GB"),
         ("NVIDIA A10G", "A10G"),
-        ("NVIDIA A10", "A10G"),
+        ("NVIDIA A10", "A10"),
         ("NVIDIA L4", "L4"),
+        ("NVIDIA L40", "L40"),
         ("NVIDIA L40S", "L40S"),
         ("NVIDIA GeForce RTX 4090", "RTX-4090"),
         ("Tesla V100-SXM2-32GB", "V100"),
         ("AMD Instinct MI300X", "MI300X"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA A40", "A40"),
+        ("NVIDIA RTX A6000", "RTX-A6000"),
+        ("NVIDIA GeForce RTX 3090", "RTX-3090"),
+        ("NVIDIA GeForce RTX 5090", "RTX-5090"),
+        ("NVIDIA H800", "H800"),
+        ("NVIDIA H800 PCIe", "H100-PCIe"),
+        ("NVIDIA A800-SXM4-80GB", "A800-80GB"),
+        ("NVIDIA A800 80GB PCIe", "A800-80GB"),
+        ("NVIDIA A800-PCIE-40GB", "A800-40GB"),
+        ("NVIDIA H20", "H20"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA GH200 144G HBM3e", "H200"),
+        ("NVIDIA B100", "B100"),
+        ("NVIDIA GB200", "GB200"),
+        ("AMD Instinct MI250X", "MI250X"),
+        ("AMD Instinct MI325X", "MI325X"),
     ],
 )
 def test_detect_device_matches_driver_names(monkeypatch: pytest.MonkeyPatch, driver_name: str, entry: str) -> None:
+    assert driver_name_entry(driver_name) == entry
     _fake_cuda(monkeypatch, driver_name, 20 * 2**30)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matched name must not warn
@@ -376,6 +463,19 @@ def test_detect_device_matches_driver_names(monkeypatch: pytest.MonkeyPatch, dri
     assert spec.tflops == DEVICE_SPECS[entry].tflops
     assert spec.dram_gbps == DEVICE_SPECS[entry].dram_gbps
     assert spec.is_cuda
+
+
+# Names the table has no entry for, though they contain one's number: the fallback (with its warning), not a guess.
+NO_ENTRY = ["NVIDIA RTX A4000", "NVIDIA T400", "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX 6000 Ada Generation"]
+
+
+@pytest.mark.parametrize("driver_name", NO_ENTRY)
+def test_a_driver_name_of_no_entry_gets_the_fallback_and_a_warning(monkeypatch, driver_name):
+    assert driver_name_entry(driver_name) is None
+    _fake_cuda(monkeypatch, driver_name, 16 * 2**30)
+    with pytest.warns(UserWarning, match="No device table entry"):
+        spec = detect_device()
+    assert spec.tflops == DEVICE_SPECS["A100-40GB"].tflops
 
 
 def test_detect_device_unknown_gpu_warns_and_uses_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -388,7 +488,13 @@ def test_detect_device_unknown_gpu_warns_and_uses_default(monkeypatch: pytest.Mo
     assert spec.is_cuda
 
 
-FAMILIES = [("H100", ["H100-PCIe", "H100-SXM"]), ("a100", ["A100-40GB", "A100-80GB"])]
+FAMILIES = [
+    ("H100", ["H100-PCIe", "H100-SXM"]),
+    ("a100", ["A100-40GB", "A100-80GB"]),
+    ("A800", ["A800-40GB", "A800-80GB"]),
+    ("MI300", ["MI300X"]),  # a family of one is listed, not taken for its member
+    ("RTX", ["RTX-3090", "RTX-4090", "RTX-5090", "RTX-A6000"]),
+]
 
 
 @pytest.mark.parametrize(("name", "family"), FAMILIES)
@@ -399,5 +505,10 @@ def test_a_family_name_lists_its_devices_and_picks_none(name, family):
         get_device_spec(name)
     message = str(info.value)
     assert all(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" in message for n in family) and "V100" not in message
-    assert device_family("L40") == ["L40S"]  # listed, not taken for it
+
+
+def test_a_prefix_inside_a_model_number_is_no_family():
+    # "A10" and "L40" are entries of their own; "H20" is not the start of "H200", nor "V10" of "V100".
+    assert device_family("A10") == device_family("L40") == device_family("H20") == device_family("V10") == []
     assert device_family("H100-SXM") == [] and device_family("x") == []
+    assert get_device_spec("A10").name == "A10" and get_device_spec("L40").name == "L40"

@@ -20,14 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning_sac.devices import (
-    DEVICE_SPECS,
-    DeviceSpec,
-    UnknownDeviceError,
-    device_family,
-    get_device_spec,
-    known_devices,
-)
+from lightning_sac.devices import DeviceSpec, UnknownDeviceError, device_mismatch_message, get_device_spec
 
 __all__ = [
     "CliParser",
@@ -122,24 +115,12 @@ def _device(name: str | None, notes: list[str]) -> DeviceSpec:
         return spec
     try:
         return get_device_spec(name)
-    except UnknownDeviceError:
-        family = device_family(name)
-        if family:  # "H100": the user picks the part; a near name would be another GPU
-            listed = ", ".join(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" for n in family)
-            raise UsageError(
-                f"device {name!r} is not a full device name; the table has {listed}: type the one you train on, e.g. "
-                f"--device {family[0]} (their figures: lightning-sac devices)"
-            ) from None
-        guess = closest(name, known_devices())
-        if guess is not None:
-            raise UsageError(
-                f"unknown device {name!r}: did you mean {guess}? Type --device {guess} "
-                "(list the devices with: lightning-sac devices)"
-            ) from None
-        raise UsageError(
-            f"unknown device {name!r}: type one of {', '.join(known_devices())} after --device "
-            "(their figures: lightning-sac devices)"
-        ) from None
+    except UnknownDeviceError as err:
+        # The API's matcher decides (a family or a model's other name lists its entries, never another GPU);
+        # only the wording of the remedy is the command line's.
+        if err.match is None:
+            raise UsageError(str(err)) from None
+        raise UsageError(device_mismatch_message(err.match, cli=True)) from None
 
 
 def _check_output(flag: str, path: str | None) -> None:

@@ -216,7 +216,12 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         "MODULE is found from the current folder (mymodule:make for ./mymodule.py) or is a path (dir/mymodule.py:make)",
     )
     parser.add_argument("--budget-gb", required=True, help="memory budget per device, a number of GiB (e.g. 40)")
-    parser.add_argument("--device", default=None, help="target device (see `lightning-sac devices`); default: this one")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="target device, a name of `lightning-sac devices` (any case; H100-SXM, h100 sxm) or an alias (4090); "
+        "a model with several entries (H100) lists them; default: this one",
+    )
     parser.add_argument("--world-size", type=int, default=1, help="number of devices the step runs on")
     parser.add_argument(
         "--sharding",

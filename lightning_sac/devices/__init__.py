@@ -6,15 +6,30 @@ and time with: capacity, throughput, bandwidth, the allocator's rounding, what t
 
 from __future__ import annotations
 
-from lightning_sac.devices.lookup import DEVICE_SPECS, detect_device, device_family, get_device_spec, known_devices
+from lightning_sac.devices.lookup import (
+    DEVICE_SPECS,
+    detect_device,
+    device_family,
+    device_mismatch_message,
+    driver_name_entry,
+    get_device_spec,
+    known_devices,
+    match_device,
+)
+from lightning_sac.devices.names import DEVICE_ALIASES, DeviceMatch
 from lightning_sac.devices.spec import DeviceSpec, UnknownDeviceError
 
 __all__ = [
+    "DEVICE_ALIASES",
     "DEVICE_SPECS",
+    "DeviceMatch",
     "DeviceSpec",
     "UnknownDeviceError",
     "detect_device",
     "device_family",
+    "device_mismatch_message",
+    "driver_name_entry",
     "get_device_spec",
     "known_devices",
+    "match_device",
 ]

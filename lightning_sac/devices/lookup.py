@@ -1,7 +1,8 @@
 """The device table and lookups: :data:`DEVICE_SPECS`, :func:`get_device_spec` and :func:`detect_device`.
 
-The table is built from the datasheets of :mod:`lightning_sac.devices.table` (every GPU gets the CUDA/HIP
-allocator's rounding, the measured CUDA context and cuBLAS's workspace), plus this host's CPU.
+The table is built from the datasheets of :mod:`lightning_sac.devices.datasheets` (every GPU gets the CUDA/HIP
+allocator's rounding, the measured CUDA context and cuBLAS's workspace), plus this host's CPU. Names are matched
+by :mod:`lightning_sac.devices.names`, the matcher the command line uses too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from types import MappingProxyType
 
 import torch
 
+from lightning_sac.devices.datasheets import GPU_DATASHEETS
+from lightning_sac.devices.names import DeviceMatch, match_device_name, mismatch_message, normalize
 from lightning_sac.devices.spec import DeviceSpec, UnknownDeviceError
 from lightning_sac.devices.table import (
     CPU_DRAM_GBPS,
@@ -23,11 +26,19 @@ from lightning_sac.devices.table import (
     CUDA_CONTEXT_BYTES,
     DRIVER_NAME_PATTERNS,
     FALLBACK_CUDA_ENTRY,
-    GPU_DATASHEETS,
     blas_workspace_bytes,
 )
 
-__all__ = ["DEVICE_SPECS", "detect_device", "device_family", "get_device_spec", "known_devices"]
+__all__ = [
+    "DEVICE_SPECS",
+    "detect_device",
+    "device_family",
+    "device_mismatch_message",
+    "driver_name_entry",
+    "get_device_spec",
+    "known_devices",
+    "match_device",
+]
 
 
 def _host_memory_gib() -> float:
@@ -40,7 +51,7 @@ def _host_memory_gib() -> float:
 
 
 def _build_table() -> dict[str, DeviceSpec]:
-    # The figures and their sources are in devices_table; every GPU gets the CUDA/HIP allocator's rounding.
+    # The figures and their sources are in datasheets.py; every GPU gets the CUDA/HIP allocator's rounding.
     table = {
         sheet.name: DeviceSpec(
             name=sheet.name,
@@ -51,7 +62,7 @@ def _build_table() -> dict[str, DeviceSpec]:
             is_cuda=True,
             compute_capability=sheet.compute_capability,
             context_bytes=CUDA_CONTEXT_BYTES,
-            blas_workspace_bytes=blas_workspace_bytes(sheet.compute_capability, amd_cdna3=sheet.name == "MI300X"),
+            blas_workspace_bytes=blas_workspace_bytes(sheet.compute_capability, amd_cdna3=sheet.amd_cdna3),
             nccl_bytes=sheet.nccl_bytes,
         )
         for sheet in GPU_DATASHEETS
@@ -72,44 +83,30 @@ DEVICE_SPECS: Mapping[str, DeviceSpec] = MappingProxyType(_build_table())
 """Canonical device name to its :class:`DeviceSpec`; read-only."""
 
 
-def _normalize(name: str) -> str:
-    # Users write "H100 SXM", "h100_sxm" and "H100-SXM" interchangeably.
-    return re.sub(r"[-_ ]", "", name).lower()
-
-
-_BY_NORMALIZED_NAME: Mapping[str, str] = MappingProxyType({_normalize(name): name for name in DEVICE_SPECS})
-
 _DRIVER_NAME_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), entry) for pattern, entry in DRIVER_NAME_PATTERNS
 )
 
 
+def match_device(name: str) -> DeviceMatch:
+    """What ``name`` matches in :data:`DEVICE_SPECS` (:func:`lightning_sac.devices.names.match_device_name`)."""
+    return match_device_name(name, DEVICE_SPECS)
+
+
+def device_mismatch_message(match: DeviceMatch, *, cli: bool = False) -> str:
+    """The one line for a name that resolved to no entry: the model's entries, a misspelling, or the table."""
+    return mismatch_message(match, {n: s.memory_gib for n, s in DEVICE_SPECS.items()}, cli=cli)
+
+
 def device_family(name: str) -> list[str]:
-    """The table's devices whose names begin with ``name`` (ignoring case, ``-``, ``_`` and spaces).
+    """The table's devices whose names begin with ``name`` (ignoring case, ``-``, ``_`` and spaces), sorted.
 
-    ``"H100"`` gives ``["H100-PCIe", "H100-SXM"]``. A family is never resolved to one of its members, even a family
-    of one (``"L40"`` is not an ``"L40S"``): the user picks.
+    ``"H100"`` gives ``["H100-PCIe", "H100-SXM"]``. A prefix that stops inside a model number is another model's
+    (``"A10"`` is no family of ``"A100-40GB"``), and a family is never resolved to one of its members, even a
+    family of one (``"MI300"`` lists ``"MI300X"``): the user picks.
     """
-    key = _normalize(name)
-    if len(key) < 2:
-        return []
-    return [n for n in sorted(DEVICE_SPECS) if n != "cpu" and _normalize(n).startswith(key) and _normalize(n) != key]
-
-
-def _unknown_device_message(device: str) -> str:
-    family = device_family(device)
-    if family:
-        listed = ", ".join(f"{n} ({DEVICE_SPECS[n].memory_gib:g} GiB)" for n in family)
-        return (
-            f"Device {device!r} is not a full device name; the table has {listed}. Name the one you train on, e.g. "
-            f"{family[0]!r}, or pass your own DeviceSpec."
-        )
-    return (
-        f"Unknown device {device!r}. Known devices: {', '.join(known_devices())} (matched ignoring case, "
-        "'-', '_' and spaces), or 'auto' to detect the visible device. For other hardware pass your own "
-        "spec instead of a name, e.g. get_device_spec(DeviceSpec(name='my-gpu', memory_gib=48, "
-        "tflops={'fp32': 90.0, 'bf16': 360.0}, dram_gbps=900, allocator_rounding=512, is_cuda=True))."
-    )
+    match = match_device(name)
+    return list(match.candidates) if match.kind == "family" else []
 
 
 def known_devices() -> list[str]:
@@ -122,14 +119,17 @@ def get_device_spec(device: str | DeviceSpec = "auto") -> DeviceSpec:
 
     Args:
         device: A :class:`DeviceSpec`, returned unchanged; ``"auto"`` for :func:`detect_device`; or a name
-            from :func:`known_devices`, matched ignoring case, ``-``, ``_`` and spaces (``"h100_sxm"`` and
-            ``"H100 SXM"`` both give ``"H100-SXM"``).
+            from :func:`known_devices` or an alias of one (``"4090"``, ``"H100 SXM5"``), matched ignoring case,
+            ``-``, ``_``, spaces and a leading vendor word (``"h100_sxm"`` and ``"NVIDIA H100 SXM"`` both give
+            ``"H100-SXM"``).
 
     Returns:
         The matching spec.
 
     Raises:
-        UnknownDeviceError: If the name matches no known device.
+        UnknownDeviceError: If the name resolves to no entry. A family (``"H100"``) or a model's other name
+            (``"H100-80GB"``) lists that model's entries with their memory; a misspelling of one of them
+            (``"H100-SMX"``) names it; no other GPU is ever suggested. The error's ``match`` says which.
         TypeError: If ``device`` is neither a string nor a :class:`DeviceSpec`.
 
     """
@@ -137,16 +137,16 @@ def get_device_spec(device: str | DeviceSpec = "auto") -> DeviceSpec:
         return device
     if not isinstance(device, str):
         raise TypeError(f"device must be a str or DeviceSpec, got {type(device).__name__}.")
-    key = _normalize(device)
-    if key == "auto":
+    if normalize(device) == "auto":
         return detect_device()
-    canonical = _BY_NORMALIZED_NAME.get(key)
-    if canonical is None:
-        raise UnknownDeviceError(_unknown_device_message(device))
-    return DEVICE_SPECS[canonical]
+    match = match_device(device)
+    if match.name is None:
+        raise UnknownDeviceError(device_mismatch_message(match), match)
+    return DEVICE_SPECS[match.name]
 
 
-def _table_entry_for_driver_name(name: str) -> str | None:
+def driver_name_entry(name: str) -> str | None:
+    """The table entry a driver-reported GPU name is matched to by ``DRIVER_NAME_PATTERNS``, or ``None``."""
     for pattern, entry in _DRIVER_NAME_PATTERNS:
         if pattern.search(name):
             return entry
@@ -170,7 +170,7 @@ def detect_device() -> DeviceSpec:
         return DEVICE_SPECS["cpu"]
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     name = str(props.name)
-    entry = _table_entry_for_driver_name(name)
+    entry = driver_name_entry(name)
     if entry is None:
         entry = FALLBACK_CUDA_ENTRY
         warnings.warn(

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from lightning_sac.devices.table import (
-    FP64_FALLBACK_RATIO,
-)
+from lightning_sac.devices.names import DeviceMatch
+from lightning_sac.devices.table import FP64_FALLBACK_RATIO
 
 __all__ = ["DeviceSpec", "UnknownDeviceError"]
 
@@ -37,7 +36,16 @@ _FP8_DTYPES = frozenset(
 
 
 class UnknownDeviceError(ValueError):
-    """Raised when a device name matches no entry of :data:`DEVICE_SPECS`."""
+    """Raised when a device name resolves to no entry of ``DEVICE_SPECS``.
+
+    Attributes:
+        match: What the name matched (the model's entries it lists, or a misspelled one), when a name was looked
+            up; the command line words its own line from it.
+    """
+
+    def __init__(self, message: str, match: DeviceMatch | None = None) -> None:
+        super().__init__(message)
+        self.match = match
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,9 @@
-"""The device table's data: datasheet figures of common training and inference GPUs, and driver names.
+"""The device table's shared data: the :class:`Datasheet` record, reserve figures, the CPU entry, driver names.
 
-:mod:`lightning_sac.devices.spec` turns these figures into :class:`~lightning_sac.devices.spec.DeviceSpec` entries
-(:data:`~lightning_sac.devices.spec.DEVICE_SPECS`) and matches driver-reported names with :data:`DRIVER_NAME_PATTERNS`.
-Adding a GPU is one :class:`Datasheet` here, with the source of its figures in a comment, and, when the driver
-calls it something the patterns miss, one pattern.
+:mod:`lightning_sac.devices.datasheets` holds one :class:`Datasheet` per GPU, with its source; :mod:`lookup
+<lightning_sac.devices.lookup>` turns them into :class:`~lightning_sac.devices.spec.DeviceSpec` entries
+(``DEVICE_SPECS``) and matches driver-reported names with :data:`DRIVER_NAME_PATTERNS`. Adding a GPU is one
+datasheet there and, when the driver calls it something the patterns miss, one pattern here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ __all__ = [
     "DRIVER_NAME_PATTERNS",
     "FALLBACK_CUDA_ENTRY",
     "FP64_FALLBACK_RATIO",
-    "GPU_DATASHEETS",
     "NCCL_BYTES_AMPERE",
     "NCCL_BYTES_HOPPER",
     "Datasheet",
@@ -80,6 +79,7 @@ class Datasheet:
         dram_gbps: DRAM bandwidth, GB/s.
         compute_capability: NVIDIA SM version; ``None`` for AMD parts.
         nccl_bytes: NCCL's buffers per communicator on this part (see :data:`NCCL_BYTES_AMPERE`).
+        gcn_arch: The AMD architecture (``gcnArchName``, e.g. ``"gfx942"``); ``None`` for NVIDIA parts.
     """
 
     name: str
@@ -88,129 +88,13 @@ class Datasheet:
     dram_gbps: float
     compute_capability: tuple[int, int] | None = None
     nccl_bytes: int = NCCL_BYTES_AMPERE
+    gcn_arch: str | None = None
 
+    @property
+    def amd_cdna3(self) -> bool:
+        """Whether this is an AMD gfx94x/gfx95x part (MI300 series), whose hipBLAS workspace is larger."""
+        return self.gcn_arch is not None and self.gcn_arch.startswith(("gfx94", "gfx95"))
 
-# Conventions for every GPU entry:
-# * Memory is the datasheet capacity. Vendors write "GB", but HBM/GDDR capacities are binary, so the
-#   number is taken as GiB; the driver exposes slightly less (detect_device() uses the real figure).
-# * Sparse "with sparsity" tensor figures are halved to dense; FP32/FP64 are never sparse figures.
-# * "fp64" is the FP64 Tensor Core / matrix-core figure where one exists: cuBLAS and rocBLAS use it for
-#   DGEMM without any opt-in (unlike TF32), so it is what a default float64 matmul can reach.
-# * "fp16" is the rate with FP32 accumulation, which is what torch's fp16 GEMMs use.
-# * "fp64" is omitted where the datasheet omits it; peak_tflops() then uses fp32 / 64.
-GPU_DATASHEETS: tuple[Datasheet, ...] = (
-    # NVIDIA A100 Tensor Core GPU datasheet, "A100 40GB SXM" column.
-    Datasheet(
-        "A100-40GB",
-        memory_gib=40,
-        tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
-        dram_gbps=1555,
-        compute_capability=(8, 0),
-    ),
-    # NVIDIA A100 Tensor Core GPU datasheet, "A100 80GB SXM" column (HBM2e).
-    Datasheet(
-        "A100-80GB",
-        memory_gib=80,
-        tflops={"fp64": 19.5, "fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312},
-        dram_gbps=2039,
-        compute_capability=(8, 0),
-    ),
-    # NVIDIA H100 Tensor Core GPU datasheet, "H100 SXM" column; dense tensor figures as printed in the
-    # NVIDIA H100 Tensor Core GPU Architecture whitepaper. FP64 non-tensor is 34.
-    Datasheet(
-        "H100-SXM",
-        memory_gib=80,
-        tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-        dram_gbps=3350,
-        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
-    ),
-    # NVIDIA H100 Tensor Core GPU Architecture whitepaper, "H100 PCIe" column (the datasheet rounds
-    # these to 51 / 756* / 1513* / 3026* with sparsity). FP64 non-tensor is 25.6.
-    Datasheet(
-        "H100-PCIe",
-        memory_gib=80,
-        tflops={"fp64": 51.2, "fp32": 51.2, "tf32": 378, "bf16": 756, "fp16": 756, "fp8": 1513},
-        dram_gbps=2000,
-        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
-    ),
-    # NVIDIA H200 Tensor Core GPU datasheet, "H200 SXM" column: H100 SXM compute, 141 GB HBM3e.
-    Datasheet(
-        "H200",
-        memory_gib=141,
-        tflops={"fp64": 67, "fp32": 67, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
-        dram_gbps=4800,
-        compute_capability=(9, 0), nccl_bytes=NCCL_BYTES_HOPPER,
-    ),
-    # NVIDIA DGX B200 / HGX B200 datasheets, 8-GPU totals divided by 8 (1,440 GB, 64 TB/s; FP32 600,
-    # FP64 296, TF32 18 P*, BF16/FP16 36 P*, FP8 72 P* with sparsity). Early announcements said 192 GB.
-    Datasheet(
-        "B200",
-        memory_gib=180,
-        tflops={"fp64": 37, "fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500},
-        dram_gbps=8000,
-        compute_capability=(10, 0), nccl_bytes=NCCL_BYTES_HOPPER,
-    ),
-    # NVIDIA L4 Tensor Core GPU datasheet (no FP64 figure published).
-    Datasheet(
-        "L4",
-        memory_gib=24,
-        tflops={"fp32": 30.3, "tf32": 60, "bf16": 121, "fp16": 121, "fp8": 242.5},
-        dram_gbps=300,
-        compute_capability=(8, 9),
-    ),
-    # NVIDIA L40S datasheet (dense | sparse printed side by side; no FP64 figure published).
-    Datasheet(
-        "L40S",
-        memory_gib=48,
-        tflops={"fp32": 91.6, "tf32": 183, "bf16": 362.05, "fp16": 362.05, "fp8": 733},
-        dram_gbps=864,
-        compute_capability=(8, 9),
-    ),
-    # NVIDIA A10 Tensor Core GPU datasheet. The A10G is AWS's variant of this GA102 part (G5 instances)
-    # with no public NVIDIA datasheet; AWS lists the same 24 GB / 600 GB/s, clocks are within ~1%.
-    Datasheet(
-        "A10G",
-        memory_gib=24,
-        tflops={"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125},
-        dram_gbps=600,
-        compute_capability=(8, 6),
-    ),
-    # NVIDIA Ada Lovelace GPU Architecture whitepaper, appendix table, GeForce RTX 4090. GeForce runs
-    # FP16/BF16 (and FP8) tensor math with FP32 accumulation at half the FP16-accumulate rate, so these
-    # are 165.2 (not 330.3) and 330.3 (not 660.6).
-    Datasheet(
-        "RTX-4090",
-        memory_gib=24,
-        tflops={"fp32": 82.6, "tf32": 82.6, "bf16": 165.2, "fp16": 165.2, "fp8": 330.3},
-        dram_gbps=1008,
-        compute_capability=(8, 9),
-    ),
-    # NVIDIA Tesla V100 GPU datasheet, "V100 SXM2" column, 32 GB model. No TF32, BF16 or FP8;
-    # "fp16" is the 125 TFLOPS "Tensor Performance" figure.
-    Datasheet(
-        "V100",
-        memory_gib=32,
-        tflops={"fp64": 7.8, "fp32": 15.7, "fp16": 125},
-        dram_gbps=900,
-        compute_capability=(7, 0),
-    ),
-    # AMD Instinct MI300X accelerator datasheet (FP64 matrix 163.4, vector 81.7; dense figures, the
-    # sparse ones are printed separately).
-    Datasheet(
-        "MI300X",
-        memory_gib=192,
-        tflops={
-            "fp64": 163.4,
-            "fp32": 163.4,
-            "tf32": 653.7,
-            "bf16": 1307.4,
-            "fp16": 1307.4,
-            "fp8": 2614.9,
-        },
-        dram_gbps=5300,
-        nccl_bytes=NCCL_BYTES_HOPPER,
-    ),
-)
 
 # Not a datasheet: modest figures for a few-core x86 server (AVX2/AVX-512 FMA on ~4 cores, one or two DDR4
 # channels), so that plans made on a laptop or CI runner are not wildly optimistic. torch runs bf16 matmuls on
@@ -219,21 +103,42 @@ CPU_TFLOPS: Mapping[str, float] = {"fp64": 0.1, "fp32": 0.2, "bf16": 0.2}
 CPU_DRAM_GBPS = 20.0
 
 #: Driver-reported names (``torch.cuda.get_device_properties(...).name``) to table entries, as (regular
-#: expression, entry), tried in order, ignoring case: the more specific pattern first wherever one name contains
-#: another (H100 PCIe before H100, L40S before L4).
+#: expression, entry), tried in order, ignoring case. A pattern ends its model number with ``\b``, so that no
+#: model matches a longer one (``H20`` is not ``H200``, ``A40`` not ``A4000``, ``L4`` not ``L40``); the more
+#: specific pattern comes first wherever one name contains another (H100 PCIe before H100, L40S before L40).
 DRIVER_NAME_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bH100\b.*\bPCIE\b", "H100-PCIe"),
     (r"\bH100\b", "H100-SXM"),  # "NVIDIA H100 80GB HBM3"; also H100 NVL, whose compute is close.
-    (r"\bG?H200\b", "H200"),  # GH200's GPU is an H100/H200-class Hopper with HBM3/HBM3e.
-    (r"\bG?B200\b", "B200"),
+    # "NVIDIA GH200 144G HBM3e": the HBM3e superchip's GPU has H200's 144 GB class memory, 4.9 TB/s and compute.
+    (r"\bGH200\b.*\b144\s*GB?\b", "H200"),
+    (r"\bGH200\b", "GH200"),  # "NVIDIA GH200 480GB": 96 GB HBM3 (480 GB is the CPU's memory)
+    (r"\bH200\b", "H200"),
+    # "NVIDIA H800 PCIe": the H100 PCIe board with FP64 and NVLink cut (no datasheet at hand): its other figures.
+    (r"\bH800\b.*\bPCIE\b", "H100-PCIe"),
+    (r"\bH800\b", "H800"),
+    (r"\bH20\b", "H20"),
+    (r"\bGB200\b", "GB200"),
+    (r"\bB200\b", "B200"),
+    (r"\bB100\b", "B100"),
     (r"\bA100\b.*\b80\s*GB\b", "A100-80GB"),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"
     (r"\bA100\b", "A100-40GB"),  # "NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"
+    (r"\bA800\b.*\b80\s*GB\b", "A800-80GB"),  # "NVIDIA A800-SXM4-80GB", "NVIDIA A800 80GB PCIe"
+    (r"\bA800\b", "A800-40GB"),
     (r"\bL40S\b", "L40S"),
+    (r"\bL40\b", "L40"),
     (r"\bL4\b", "L4"),
-    (r"\bA10G?\b", "A10G"),  # the plain A10 has the same datasheet figures
+    (r"\bA10G\b", "A10G"),
+    (r"\bA10\b", "A10"),
+    (r"\bA40\b", "A40"),
+    (r"\bRTX\s*A6000\b", "RTX-A6000"),  # "NVIDIA RTX A6000", not the "RTX 6000 Ada Generation"
+    (r"\bRTX\s*3090\b(?!\s*TI\b)", "RTX-3090"),  # the 3090 Ti is faster: no entry
     (r"\bRTX\s*4090\b", "RTX-4090"),
+    (r"\bRTX\s*5090\b", "RTX-5090"),
+    (r"\bT4\b", "T4"),  # "Tesla T4"
     (r"\bV100\b", "V100"),
+    (r"\bMI250X\b", "MI250X"),  # each of the module's two dies: "AMD Instinct MI250X"
     (r"\bMI300X\b", "MI300X"),
+    (r"\bMI325X\b", "MI325X"),
 )
 
 #: The entry whose figures a CUDA device matching no pattern gets (its compute-to-bandwidth ratio is mid-table).

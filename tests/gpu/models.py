@@ -164,10 +164,10 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def named_spec() -> DeviceSpec:
     """The device table's entry for the visible GPU (``"H100-SXM"`` for an H100 SXM): what a CPU box plans for."""
-    from lightning_sac.devices.lookup import _table_entry_for_driver_name
+    from lightning_sac.devices import driver_name_entry
     from lightning_sac.devices.table import FALLBACK_CUDA_ENTRY
 
-    return get_device_spec(_table_entry_for_driver_name(torch.cuda.get_device_name()) or FALLBACK_CUDA_ENTRY)
+    return get_device_spec(driver_name_entry(torch.cuda.get_device_name()) or FALLBACK_CUDA_ENTRY)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,9 @@
 On the CPU it finishes in about a minute: AutoSAC profiles one step on fake tensors, solves the plan, prints
 it, applies it, trains; then the example measures one real planned step with torch.profiler's allocator events
 and prints the predicted peak beside the measured one. With --device naming a GPU it prints that GPU's plan and
-trains on the CPU with it (the predicted numbers are then the GPU's, so nothing is measured). The training loss,
+trains on the CPU with it (the predicted numbers are then the GPU's, so nothing is measured). AutoSAC itself
+prints the plan when training begins and, after the first planned step, one line: the measured peak beside the
+prediction and the budget, and whether it stayed within. The training loss,
 the plan, its figures and the measured step go to TensorBoard: the last lines say where, and the command to
 open them.
 """
@@ -79,11 +81,6 @@ def main() -> None:
     plan = autosac.plan
     assert plan is not None  # AutoSAC printed it when training began
     print(f"loss: first {module.losses[0]:.3f}, last {module.losses[-1]:.3f} over {len(module.losses)} steps")
-    if autosac.measured is not None:
-        print(
-            f"AutoSAC measured the second planned training step: peak {autosac.measured.peak_bytes / MIB:.2f} MiB "
-            f"(predicted {plan.predicted_peak_bytes / MIB:.2f} MiB, budget {plan.budget_bytes / MIB:.2f} MiB)"
-        )
     if plan.device == "cpu":
         model = copy.deepcopy(module.model)
         prefixed = copy.deepcopy(plan)  # the plan names modules of the LightningModule: "model.blocks.0" ...

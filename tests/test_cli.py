@@ -45,7 +45,8 @@ def make():
 def broken():
     return {}.missing
 """
-TINY_PLAN = ["plan", "tiny_factory:make"]
+# Its output is a tensor with no .loss: the loss to plan is stated.
+TINY_PLAN = ["plan", "tiny_factory:make", "--loss", "sum"]
 
 # Each wrong input: the arguments, and what its one line must say.
 WRONG = {

@@ -145,7 +145,18 @@ def check_plan_args(args: argparse.Namespace) -> tuple[DeviceSpec, list[str]]:
     Raises:
         UsageError: The first wrong input.
     """
-    split_target(args.factory)
+    hf_config = getattr(args, "hf_config", None)
+    if args.factory is not None and hf_config is not None:
+        raise UsageError(
+            f"give a factory ({args.factory}) or --hf-config ({hf_config}), not both: the model comes from one of them"
+        )
+    if args.factory is None and hf_config is None:
+        raise UsageError(
+            "no model to plan: give MODULE:FACTORY (e.g. lightning-sac plan mymodule:make) or --hf-config "
+            "path/to/config.json --batch 8 --seq 4096"
+        )
+    if args.factory is not None:
+        split_target(args.factory)
     args.budget_gb = parse_budget(args.budget_gb)
     if args.world_size < 1:
         raise UsageError(

@@ -95,7 +95,10 @@ def budget_message(err: BudgetError, args: argparse.Namespace, profile: ModelPro
         )
     else:
         ways.append(f"shard them over more devices with a --world-size above {args.world_size}")
-    ways.append("make the factory's batch smaller or its sequences shorter")
+    if getattr(args, "hf_config", None) is not None:
+        ways.append(f"plan a smaller batch (--batch below {args.batch}) or shorter sequences (--seq below {args.seq})")
+    else:
+        ways.append("make the factory's batch smaller or its sequences shorter")
     if args.candidates is not None:
         ways.append("allow more modules in --candidates (or leave it out)")
     own = profile.checkpointed_modules or profile.checkpoint_callers

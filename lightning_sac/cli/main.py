@@ -1,7 +1,8 @@
 """``lightning-sac``: plan checkpointing for a model from the command line, and list the device table.
 
     lightning-sac plan MODULE:FACTORY --budget-gb 40 --device H100-SXM [--world-size 8 --sharding sharded]
-                       [--json plan.json]
+                       [--optimizer adamw|adam|sgd|none] [--loss output.loss|sum] [--json plan.json]
+    lightning-sac plan --hf-config config.json --batch 8 --seq 4096 --budget-gb 70 [--lora r=16,targets=q_proj,v_proj]
     lightning-sac report plan.json --profile profile.json --out runs/plan
     lightning-sac devices
 
@@ -23,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_sac.cli.args import CliParser, Made, UsageError, call_factory, check_plan_args, load_factory, notice
+from lightning_sac.cli.args import CliParser, UsageError, call_factory, check_plan_args, load_factory, notice
+from lightning_sac.cli.hf_config import add_hf_arguments, check_hf_args, hf_made
+from lightning_sac.cli.step import TrainingStep, add_step_arguments, training_step
 from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
 from lightning_sac.errors import BudgetError, LightningSACError
 from lightning_sac.plan import BACKENDS, Plan, plan_unit
@@ -48,14 +51,16 @@ __all__ = [
 ]
 
 
-def _profile(made: Made, device: str | DeviceSpec, estimate: str, replace_existing: bool) -> ModelProfile:
+def _profile(
+    model: Any, inputs: Any, step: TrainingStep, device: str | DeviceSpec, estimate: str, replace_existing: bool
+) -> ModelProfile:
     from lightning_sac.profiling import profile_model
 
     return profile_model(
-        made.model,
-        made.inputs,
-        loss_fn=made.loss_fn,
-        optimizer_factory=made.optimizer_factory,
+        model,
+        inputs,
+        loss_fn=step.loss,
+        optimizer_factory=step.optimizer_factory,
         device=device,
         estimate=estimate,
         replace_existing=replace_existing,
@@ -74,20 +79,25 @@ def gather_plan(
     n_segments: int = 2,
     backend: str = "sac",
     replace_existing: bool = False,
+    optimizer: str | None = None,
+    loss: str | None = None,
 ) -> tuple[ModelProfile, Plan]:
     """Profile the factory's model and solve a plan; return both.
 
     The factory returns ``(model, example_inputs)``, optionally followed by ``loss_fn`` and
     ``optimizer_factory``, as :func:`~lightning_sac.profile_model` takes them: ``example_inputs`` is a tuple of
-    positional inputs or a dict of keyword inputs (a tokenized Hugging Face batch).
+    positional inputs or a dict of keyword inputs (a tokenized Hugging Face batch). ``optimizer`` and ``loss`` are
+    ``--optimizer`` and ``--loss`` (:func:`lightning_sac.cli.step.training_step` says who decides when not given).
 
     Raises:
-        UsageError: The factory cannot be loaded or returns something else.
+        UsageError: The factory cannot be loaded or returns something else, or the step has no loss.
         BudgetError: The budget is below the minimum achievable peak (the Python API's message).
     """
     from lightning_sac.solver import solve_plan
 
-    profile = _profile(call_factory(target), device, estimate, replace_existing)
+    made = call_factory(target)
+    step = training_step(made, optimizer, loss)
+    profile = _profile(made.model, made.inputs, step, device, estimate, replace_existing)
     plan = solve_plan(
         profile,
         budget_gb,
@@ -100,17 +110,21 @@ def gather_plan(
     return profile, plan
 
 
-def render_plan(profile: ModelProfile, plan: Plan) -> str:
-    """The profile's step time and peak (one device, no plan, unsharded), then the plan's table, in one unit."""
+def render_plan(profile: ModelProfile, plan: Plan, about: Sequence[str] = ()) -> str:
+    """The profile's step time and peak (one device, no plan, unsharded), then the plan's table, in one unit.
+
+    ``about`` are lines printed first: which model and which training step were planned.
+    """
     unit = plan_unit(plan, [profile.peak_bytes, *profile.peak_breakdown.values()])
     zero = unit.value(0)
     shown = {k.replace("_", " "): unit.value(v) for k, v in profile.peak_breakdown.items()}
     parts = ", ".join(f"{k} {v}" for k, v in shown.items() if v != zero)
+    parts = f" ({parts})" if parts else ""  # a model too small to show in the unit: no empty brackets
     header = (
         f"profile of one training step on {profile.device.name}, one device holding the whole model, no plan: "
-        f"step {profile.step_ms:.3f} ms, peak {unit(profile.peak_bytes)} ({parts})"
+        f"step {profile.step_ms:.3f} ms, peak {unit(profile.peak_bytes)}{parts}"
     )
-    return f"{header}\n{plan.table(unit)}"
+    return "\n".join([*about, header, plan.table(unit)])
 
 
 def gather_devices() -> list[DeviceSpec]:
@@ -134,11 +148,13 @@ def _plan_command(args: argparse.Namespace) -> int:
     from lightning_sac.solver import solve_plan
 
     spec, notes = check_plan_args(args)
-    made = call_factory(args.factory)
+    hf = check_hf_args(args)
+    made, about = hf_made(hf) if hf is not None else (call_factory(args.factory), None)
     check_candidates(args.candidates, made.model)
     for note in notes:  # after every check, so that a wrong input gets its one line alone
         notice(note)
-    profile = _profile(made, spec, args.estimate, args.replace_existing)
+    step = training_step(made, args.optimizer, args.loss)
+    profile = _profile(made.model, made.inputs, step, spec, args.estimate, args.replace_existing)
     check_checkpointable(args.candidates, profile, args.n_segments, args.backend)
     try:
         plan = solve_plan(
@@ -152,7 +168,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     except BudgetError as err:
         raise UsageError(budget_message(err, args, profile)) from err
-    print(render_plan(profile, plan))
+    print(render_plan(profile, plan, [line for line in (about, step.describe()) if line]))
     if args.json:
         Path(args.json).write_text(plan.to_json(indent=1))
         print(f"plan written to {args.json}")
@@ -212,9 +228,12 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser = _parser(subparsers, "plan", description)
     parser.add_argument(
         "factory",
+        nargs="?",
+        default=None,
         help="MODULE:FACTORY returning (model, example_inputs[, loss_fn[, optimizer]]), inputs a tuple or a dict; "
         "MODULE is found from the current folder (mymodule:make for ./mymodule.py) or is a path (dir/mymodule.py:make)",
     )
+    add_hf_arguments(parser)
     parser.add_argument("--budget-gb", required=True, help="memory budget per device, a number of GiB (e.g. 40)")
     parser.add_argument(
         "--device",
@@ -230,6 +249,7 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="replicated (DDP: every device holds all parameters, gradients, optimizer state) or sharded (FSDP: "
         "those divided over --world-size devices)",
     )
+    add_step_arguments(parser)
     parser.add_argument(
         "--estimate",
         choices=["roofline", "benchmark"],

@@ -21,6 +21,7 @@ from lightning_sac.errors import LightningSACError
 from lightning_sac.lightning.args import check_autosac_args, check_strategy
 from lightning_sac.lightning.batch_shapes import check_max_shapes, grow_batch, max_shapes_signature, signature_of
 from lightning_sac.lightning.fit_measure import StepMeasurement, compare_measured
+from lightning_sac.lightning.fit_planning import plan_message
 from lightning_sac.lightning.planning import PlanningMixin
 from lightning_sac.lightning.shape_plans import ShapePlan, ShapePlans, follow_batch
 from lightning_sac.plan import Plan
@@ -76,6 +77,10 @@ class AutoSAC(PlanningMixin, Callback):
         replace_existing: The model checkpoints itself with Hugging Face's ``gradient_checkpointing``: let the plan
             replace it (those flags are off while the plan is applied). Otherwise modules the model already
             checkpoints are planned around, and AutoSAC says so.
+        report_only: Profile and plan as usual, print the peak without a plan and the plan it would apply (on
+            rank 0, at Lightning's info level), and apply nothing: the model trains with its own forwards, no
+            module is wrapped, no batch shape is planned for again and no step is measured. The plan is still
+            ``callback.plan``, written to ``plan_path`` and logged to TensorBoard.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class AutoSAC(PlanningMixin, Callback):
         log_figures: bool = True,
         measure: bool = True,
         replace_existing: bool = False,
+        report_only: bool = False,
     ) -> None:
         check_autosac_args(
             budget_gb=budget_gb,
@@ -113,6 +119,7 @@ class AutoSAC(PlanningMixin, Callback):
                 "log_figures": log_figures,
                 "measure": measure,
                 "replace_existing": replace_existing,
+                "report_only": report_only,
             },
             example_batch=example_batch,
             example_batch_fn=example_batch_fn,
@@ -136,6 +143,7 @@ class AutoSAC(PlanningMixin, Callback):
         self.log_figures = log_figures
         self.measure = measure
         self.replace_existing = replace_existing
+        self.report_only = report_only
         self.plan: Plan | None = None
         self.profile: ModelProfile | None = None  # the dry run's profile, when this fit profiled
         self.measured: MemoryTimeline | None = None  # the first planned step, measured
@@ -180,10 +188,11 @@ class AutoSAC(PlanningMixin, Callback):
         self.shape_plans.load_state_dict(payload["shape_plans"])
         if self.plan is None:
             return
-        self._handle = apply_plan(pl_module, self.plan, backend=self.backend)
+        if not self.report_only:
+            self._handle = apply_plan(pl_module, self.plan, backend=self.backend)
         if self.plan_path is not None and trainer.is_global_zero:
             self.plan_path.write_text(self.plan.to_json(indent=1))
-        rank_zero_info(f"AutoSAC plan ({self.backend} backend):\n{self.plan.table()}")
+        rank_zero_info(plan_message(self.plan, self.backend, report_only=self.report_only))
         if trainer.is_global_zero:
             log_plan(self._summary_writer(trainer), self.plan, self.profile, figures=self.log_figures)
 
@@ -191,6 +200,8 @@ class AutoSAC(PlanningMixin, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.report_only:  # nothing applied: no shape to follow, no planned step to measure
+            return
         self._follow_shapes(trainer, pl_module, batch, batch_idx)  # first: the batch must run on a plan made for it
         measuring = self.measure and not self._measurement.failed and self.measured is None
         if measuring and self.plan is not None and trainer.is_global_zero:
@@ -305,7 +316,7 @@ class AutoSAC(PlanningMixin, Callback):
         if not change.planned:
             return
         self.profiled = True
-        rank_zero_info(f"AutoSAC plan ({self.backend} backend):\n{self.plan.table()}")
+        rank_zero_info(plan_message(self.plan, self.backend))
         if trainer.is_global_zero:
             if self.plan_path is not None:
                 self.plan_path.write_text(self.plan.to_json(indent=1))

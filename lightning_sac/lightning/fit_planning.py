@@ -18,7 +18,7 @@ from lightning_sac.errors import BudgetError
 from lightning_sac.plan import Plan
 from lightning_sac.solver import solve_plan
 
-__all__ = ["first_training_batch", "own_checkpointing_message", "read_plan_file", "solve_or_minimum"]
+__all__ = ["first_training_batch", "own_checkpointing_message", "plan_message", "read_plan_file", "solve_or_minimum"]
 
 _GIB = 2**30
 
@@ -86,3 +86,14 @@ def solve_or_minimum(profile: ModelProfile, budget_gb: float, *, strict: bool, *
             raise
         rank_zero_warn(f"{err} strict=False: applying the minimum-memory plan instead.")
         return solve_plan(profile, err.minimum_bytes * 1.001 / _GIB, **solver_args)
+
+
+def plan_message(plan: Plan, backend: str, *, report_only: bool = False) -> str:
+    """What AutoSAC prints on rank 0 for a plan: the table, and under ``report_only`` that nothing is applied."""
+    if not report_only:
+        return f"AutoSAC plan ({backend} backend):\n{plan.table()}"
+    return (
+        f"AutoSAC (report_only=True): the step's peak without a plan is {plan.unconstrained_peak_bytes / _GIB:.3f} "
+        f"GiB per device on {plan.device}, budget {plan.budget_bytes / _GIB:.3f} GiB; the plan it would apply "
+        f"({backend} backend) is below, and nothing is applied: the model trains unchanged.\n{plan.table()}"
+    )

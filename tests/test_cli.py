@@ -273,7 +273,7 @@ def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys):
     assert cli.predicted_recompute_ms == direct.predicted_recompute_ms
     device_total = direct.predicted_peak_bytes + sum(direct.reserve.values())  # the peak the budget bounds
     assert f"{device_total / GIB:.3f} GiB of 7.500 GiB budget with the plan" in printed
-    assert f"peak {profile.peak_bytes / GIB:.3f} GiB" in printed  # the profile's: one device, whole model
+    assert f"tensors at the peak {profile.peak_bytes / GIB:.3f} GiB" in printed  # one device, whole model
     assert "world size 8, sharded" in printed and "(sharded, world size 8)" in printed
     # The budget keeps the device's reserve (CUDA context, NCCL on 8 ranks, cuBLAS, fragmentation): said, in GiB.
     assert cli.reserve == direct.reserve and cli.reserve["nccl_bytes"] == 1088 * 2**20

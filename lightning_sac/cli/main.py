@@ -111,7 +111,10 @@ def gather_plan(
 
 
 def render_plan(profile: ModelProfile, plan: Plan, about: Sequence[str] = ()) -> str:
-    """The profile's step time and peak (one device, no plan, unsharded), then the plan's table, in one unit.
+    """The profile's step time and tensors at its peak (one device, no plan, unsharded), then the plan's table.
+
+    One unit for both. The header's figure is the step's tensors alone (the profile knows no budget, so no
+    reserve); every peak after it is the plan's device total, the reserve inside it.
 
     ``about`` are lines printed first: which model and which training step were planned.
     """
@@ -122,7 +125,7 @@ def render_plan(profile: ModelProfile, plan: Plan, about: Sequence[str] = ()) ->
     parts = f" ({parts})" if parts else ""  # a model too small to show in the unit: no empty brackets
     header = (
         f"profile of one training step on {profile.device.name}, one device holding the whole model, no plan: "
-        f"step {profile.step_ms:.3f} ms, peak {unit(profile.peak_bytes)}{parts}"
+        f"step {profile.step_ms:.3f} ms, tensors at the peak {unit(profile.peak_bytes)}{parts}"
     )
     return "\n".join([*about, header, plan.table(unit)])
 

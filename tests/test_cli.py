@@ -44,6 +44,10 @@ def make():
 
 def broken():
     return {}.missing
+
+
+def bare():
+    return nn.Linear(2, 2), torch.randn(1, 2)
 """
 # Its output is a tensor with no .loss: the loss to plan is stated.
 TINY_PLAN = ["plan", "tiny_factory:make", "--loss", "sum"]
@@ -327,6 +331,8 @@ def test_more_wrong_inputs(here, capsys):
     line = _in_process(capsys, ["plan", "tiny_factory:broken", "--budget-gb", "1", "--device", "H100-SXM"])
     where = f"tiny_factory.py:{TINY.splitlines().index('    return {}.missing') + 1}"
     assert "tiny_factory:broken() raised AttributeError" in line and where in line and "--debug" in line
+    line = _in_process(capsys, ["plan", "tiny_factory:bare", "--budget-gb", "1", "--loss", "sum"])
+    assert "returned a Tensor as the example inputs" in line and "return (x,)" in line  # exit 2, as the others
     # --debug: the traceback instead of the line.
     with pytest.raises(UsageError) as raised:
         main(["plan", "tiny_factory:broken", "--budget-gb", "1", "--device", "H100-SXM", "--debug"])

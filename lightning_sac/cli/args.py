@@ -300,4 +300,11 @@ def call_factory(target: str) -> Made:
             f"{target}() returned a {type(result.model).__name__} first: the model, a torch.nn.Module, comes first "
             f"in {_FACTORY_SHAPE}"
         )
+    if not isinstance(result.inputs, tuple | dict):
+        # Checked here, not in the dry run: a wrong input is the user's to fix, exit 2 like the others.
+        hint = " (for a single tensor x return (x,))" if hasattr(result.inputs, "shape") else ""
+        raise UsageError(
+            f"{target}() returned a {type(result.inputs).__name__} as the example inputs: they must be a tuple of "
+            f"positional inputs (model(*inputs)) or a dict of keyword inputs (model(**inputs)){hint}"
+        )
     return result

@@ -10,6 +10,7 @@ import torch
 from conftest import gpt_profile
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_report import peak_points
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 from torch.utils.tensorboard import SummaryWriter
@@ -99,15 +100,9 @@ def test_root_module_is_shown_apart_with_the_plans_effect(profile):
     plan = plan_for(profile, "sharded")
     freed = {f: d.freed_bytes for f, d in plan.decisions.items()}
     data = module_memory(profile, plan, n=12)
-    assert "" not in data.modules.fqns and data.model.fqns == [""]
-    assert set(plan.decisions) <= set(data.modules.fqns)
+    assert "" not in data.modules.fqns and set(plan.decisions) <= set(data.modules.fqns)
     # Modules inside a checkpointed one are left out: the plan frees their activations as part of the parent's.
     assert not [f for f in data.modules.fqns for d in plan.decisions if f.startswith(d + ".")]
-    root = profile.modules[""]
-    assert data.model.parameters == [-(-root.parameter_bytes // WORLD)]
-    assert data.model.activations_without == [retained(profile, "")]
-    assert data.model.activations_with == [retained(profile, "") - sum(freed.values())]
-    assert data.model.activations_with[0] < data.model.activations_without[0]
     for i, f in enumerate(data.modules.fqns):
         within = sum(b for d, b in freed.items() if d == f or d.startswith(f + "."))
         assert data.modules.activations_with[i] == retained(profile, f) - within
@@ -115,17 +110,63 @@ def test_root_module_is_shown_apart_with_the_plans_effect(profile):
     # The figure: the whole model on its own axis, and no root among the per-module bars.
     fig = module_memory_figure(profile, plan)
     whole, per_module = fig.axes
-    assert [t.get_text() for t in whole.get_xticklabels()] == ["whole model"]
+    unit = plan_unit(plan)
+    labels = [t.get_text() for t in whole.get_xticklabels()]
+    assert labels == [
+        f"without plan\n{unit(plan.unconstrained_peak_bytes)}",
+        f"with plan\n{unit(plan.predicted_peak_bytes)}",
+    ]
     names = [t.get_text() for t in per_module.get_xticklabels()]
     assert names == data.modules.fqns and "" not in names and "<root>" not in names
-    # Containers: parameters, gradients, optimizer state, activations; without the plan, then with it.
-    size = plan_unit(plan).size
-    assert round(whole.containers[7][0].get_height() * size) == data.model.activations_with[0]
-    assert round(whole.containers[3][0].get_height() * size) == data.model.activations_without[0]
-    # The reason it is apart: the whole model's bar is taller than any module's.
+    # The reason it is apart: the whole model's peak is taller than any module's bar.
     tallest = max(b.get_y() + b.get_height() for c in per_module.containers for b in c)
-    whole_without = sum(getattr(data.model, k)[0] for k in ("parameters", "gradients", "optimizer_state"))
-    assert tallest * size < whole_without + data.model.activations_without[0]
+    assert tallest * unit.size < plan.predicted_peak_bytes
+
+
+def stacked_tops(ax, unit_size: int) -> list[int]:  # noqa: ANN001
+    """The top of each bar of ``ax``'s stacks, in bytes, per x position."""
+    tops: dict[float, float] = {}
+    for container in ax.containers:
+        for bar in container:
+            x = round(bar.get_x() + bar.get_width() / 2, 6)
+            tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    return [round(tops[x] * unit_size) for x in sorted(tops)]
+
+
+@pytest.mark.parametrize(("sharding", "device"), [("sharded", None), ("replicated", "A100-80GB")])
+def test_whole_model_bar_is_the_peak_its_parts_add_up_to(profile, sharding, device):
+    """The whole model's bars: parameters, gradients, optimizer state, activations and reserve make the peak."""
+    plan = plan_for(profile, sharding)
+    if device is not None:  # a CUDA plan: the budget keeps a reserve for the context, workspaces, fragmentation
+        profile = gpt_profile(device)
+        slack = solve_plan(profile, 80.0, world_size=WORLD, sharding=sharding)
+        budget = sum(slack.reserve.values()) + 0.75 * slack.unconstrained_peak_bytes
+        plan = solve_plan(profile, budget / GIB, world_size=WORLD, sharding=sharding)
+        assert plan.reserve and plan.decisions
+    data = module_memory(profile, plan)
+    reserve = sum(plan.reserve.values())
+    for peak, expected in ((data.without, plan.unconstrained_peak_bytes), (data.with_plan, plan.predicted_peak_bytes)):
+        assert peak is not None
+        parts = [peak.parameters, peak.gradients, peak.optimizer_state, peak.activations]
+        assert all(p >= 0 for p in parts) and sum(parts) == peak.peak_bytes == expected
+        assert peak.reserve == reserve and peak.total == expected + reserve
+        # Every part is there: the model's state (sharded by 4 or not) and the activations at the peak.
+        root = profile.modules[""]
+        share = -(-root.parameter_bytes // WORLD) if sharding == "sharded" else root.parameter_bytes
+        assert peak.parameters >= share and peak.optimizer_state > 0 and peak.activations > 0
+    assert data.with_plan.activations < data.without.activations  # what the plan frees
+    assert data.with_plan.parameters == data.without.parameters
+    # The figure draws exactly those bytes: each bar's top is its device total, the budget line the plan's.
+    fig = module_memory_figure(profile, plan)
+    whole = fig.axes[0]
+    unit = plan_unit(plan, [data.without.total, data.with_plan.total])
+    tops = stacked_tops(whole, unit.size)
+    assert tops == [pytest.approx(data.without.total, abs=2), pytest.approx(data.with_plan.total, abs=2)]
+    (budget,) = [line for line in whole.get_lines() if line.get_label().startswith("budget")]
+    assert round(budget.get_ydata()[0] * unit.size) == plan.budget_bytes
+    assert data.with_plan.total <= plan.budget_bytes < data.without.total
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert ("CUDA reserve" in legend) == bool(reserve)
 
 
 def step_timeline(batch: int):  # noqa: ANN201
@@ -147,17 +188,18 @@ def test_measured_peak_is_logged_as_a_series_of_the_measured_steps(tmp_path, pro
     log_measured(writer, small, step=3, plan=plan, figures=False)
     log_measured(writer, large, step=7, plan=plan, figures=False)
     writer.close()
+    points = peak_points(tmp_path)
+    # TensorBoard stores float32: the values equal the peaks to float32 precision.
+    assert [s for s, _ in points["measured"]] == [3, 7]
+    assert [v for _, v in points["measured"]] == pytest.approx(
+        [small.peak_bytes / GIB, large.peak_bytes / GIB], rel=1e-7
+    )
+    # The budget and the prediction at the same steps: lines the measured points are read against.
+    for name, value in (("budget", plan.budget_bytes), ("predicted", plan.predicted_peak_bytes)):
+        assert [s for s, _ in points[name]] == [3, 7]
+        assert [v for _, v in points[name]] == pytest.approx([value / GIB] * 2, rel=1e-7)
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    measured = [(e.step, e.value) for e in acc.Scalars(f"{TAG}/measured_peak_gib")]
-    # TensorBoard stores float32: the values equal the peaks to float32 precision.
-    assert [s for s, _ in measured] == [3, 7]
-    assert [v for _, v in measured] == pytest.approx([small.peak_bytes / GIB, large.peak_bytes / GIB], rel=1e-7)
-    # The budget and the prediction at the same steps: lines the measured points are read against.
-    for tag, value in (("budget_gib", plan.budget_bytes), ("predicted_peak_gib", plan.predicted_peak_bytes)):
-        events = acc.Scalars(f"{TAG}/{tag}")
-        assert [e.step for e in events] == [3, 7]
-        assert [e.value for e in events] == pytest.approx([value / GIB] * 2, rel=1e-7)
     text = acc.Tensors(f"{TAG}/measured/text_summary")[-1].tensor_proto.string_val[0].decode()
     unit = plan_unit(plan, [large.peak_bytes])
     assert f"measured peak per device at step 7: **{unit(large.peak_bytes)}**" in text

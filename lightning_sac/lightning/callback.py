@@ -25,11 +25,9 @@ from lightning_sac.lightning.fit_planning import plan_message
 from lightning_sac.lightning.planning import PlanningMixin
 from lightning_sac.lightning.shape_plans import ShapePlan, ShapePlans, follow_batch
 from lightning_sac.plan import Plan
-from lightning_sac.report import TAG, log_measured, log_plan
+from lightning_sac.report import PeakSeries
 
 __all__ = ["AutoSAC"]
-
-_GIB = 2**30
 
 
 class AutoSAC(PlanningMixin, Callback):
@@ -152,6 +150,7 @@ class AutoSAC(PlanningMixin, Callback):
         self._handle: PlanHandle | None = None
         self._writer: Any = None
         self._measurement = StepMeasurement()
+        self._peaks = PeakSeries()  # the points of the TensorBoard peak series, on global rank 0
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -162,6 +161,7 @@ class AutoSAC(PlanningMixin, Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._peaks = PeakSeries()
         batch = self._example_batch(trainer)
         if self.max_shapes is not None:
             batch = grow_batch(batch, max_shapes_signature(batch, self.max_shapes))
@@ -194,7 +194,8 @@ class AutoSAC(PlanningMixin, Callback):
             self.plan_path.write_text(self.plan.to_json(indent=1))
         rank_zero_info(plan_message(self.plan, self.backend, report_only=self.report_only))
         if trainer.is_global_zero:
-            log_plan(self._summary_writer(trainer), self.plan, self.profile, figures=self.log_figures)
+            writer = self._summary_writer(trainer)
+            self._peaks.plan(writer, self.plan, self.profile, trainer.global_step, figures=self.log_figures)
 
     @override
     def on_train_batch_start(
@@ -212,8 +213,23 @@ class AutoSAC(PlanningMixin, Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._measurement.running or self.plan is None:
-            return
+        if self._measurement.running and self.plan is not None:
+            self._end_measured_batch(trainer)
+        if self.plan is not None and trainer.is_global_zero:
+            # Points of the budget and prediction lines at Lightning's logging cadence, after the measured one.
+            # (The Trainer sets log_every_n_steps in its logger connector, out of its annotations' sight.)
+            step, every_n = trainer.global_step - 1, getattr(trainer, "log_every_n_steps", 50)
+            self._peaks.step_end(self._summary_writer(trainer), self.plan, step, every_n)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plan is not None and trainer.is_global_zero and trainer.global_step > 0:
+            writer, step = self._summary_writer(trainer), trainer.global_step - 1
+            self._peaks.fit_end(writer, self.plan, step, cuda_max_allocated_bytes=self._cuda_max_allocated(trainer))
+
+    def _end_measured_batch(self, trainer: pl.Trainer) -> None:
+        """Read the measured step once its last micro-batch ended; log it and say whether the plan held."""
+        assert self.plan is not None
         try:
             measured = self._measurement.batch_end(trainer)
         except Exception as err:  # noqa: BLE001 - the measurement is a check beside training, never its end
@@ -226,13 +242,17 @@ class AutoSAC(PlanningMixin, Callback):
         if measured is None:
             return
         self.measured = measured
-        device = trainer.strategy.root_device
-        writer = self._summary_writer(trainer)
         step = trainer.global_step - 1  # the measured optimizer step, indexed as Lightning logs train_loss
-        log_measured(writer, self.measured, step=step, plan=self.plan, figures=self.log_figures)
-        if device.type == "cuda":
-            writer.add_scalar(f"{TAG}/cuda_max_allocated_gib", torch.cuda.max_memory_allocated(device) / _GIB, step)
+        cuda = self._cuda_max_allocated(trainer)
+        writer = self._summary_writer(trainer)
+        self._peaks.measured(writer, self.plan, step, measured, figures=self.log_figures, cuda_max_allocated_bytes=cuda)
+        device = trainer.strategy.root_device
         self.compare_measured(self.measured.peak_bytes, device.type, self._target(trainer).is_cuda)
+
+    @staticmethod
+    def _cuda_max_allocated(trainer: pl.Trainer) -> int | None:
+        device = trainer.strategy.root_device
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     def compare_measured(self, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
         """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
@@ -321,7 +341,7 @@ class AutoSAC(PlanningMixin, Callback):
             if self.plan_path is not None:
                 self.plan_path.write_text(self.plan.to_json(indent=1))
             writer = self._summary_writer(trainer)
-            log_plan(writer, self.plan, self.profile, step=trainer.global_step, figures=self.log_figures)
+            self._peaks.plan(writer, self.plan, self.profile, trainer.global_step, figures=self.log_figures)
 
     def _cached_shape_plan(self, pl_module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> ShapePlan | None:
         """A restored plan whose shapes cover ``batch``'s, after dropping those made for another run."""

@@ -7,11 +7,14 @@ measured, the plan's table, per-module profile rows.
 from __future__ import annotations
 
 from lightning_sac.report.profile_table import render_profile
-from lightning_sac.report.tensorboard import TAG, log_measured, log_plan, plan_markdown
+from lightning_sac.report.tensorboard import PEAKS, TAG, PeakSeries, log_measured, log_peaks, log_plan, plan_markdown
 
 __all__ = [
+    "PEAKS",
     "TAG",
+    "PeakSeries",
     "log_measured",
+    "log_peaks",
     "log_plan",
     "plan_markdown",
     "render_profile",

@@ -12,14 +12,16 @@ from dataclasses import dataclass
 
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.plan import ByteUnit, Plan, choose_unit, separating_unit
-from lightning_sac.solver import activation_windows, device_model, find_candidates
+from lightning_sac.solver import activation_windows, ddp_bucket_bytes, device_model, find_candidates
 
 __all__ = [
     "ModuleBars",
     "ModuleMemory",
+    "PeakComposition",
     "StepMemory",
     "measured_unit",
     "module_memory",
+    "peak_composition",
     "predicted_step_memory",
     "step_memory",
     "top_modules",
@@ -111,21 +113,55 @@ class ModuleBars:
 
 
 @dataclass(frozen=True)
-class ModuleMemory:
-    """The data of the ``memory_per_module`` figure: the largest modules, and the whole model apart.
+class PeakComposition:
+    """What one device holds at the step's predicted peak, by part, so that the parts add up to the plan's figure.
 
-    The root module holds every parameter and every activation of the model, so on the modules' scale it
-    would dwarf them; it is shown on its own axis, where the plan's effect on it is the sum of what every
-    checkpointed module frees.
+    :attr:`peak_bytes` is the plan's tensor peak (``predicted_peak_bytes`` with the plan,
+    ``unconstrained_peak_bytes`` without) and :attr:`total` the device's: that plus the plan's CUDA reserve. The
+    parameters, gradients and optimizer state are the profile's at the moment of the peak (each shared out as the
+    plan shards them); the activations are the rest of the peak.
+
+    Attributes:
+        peak_bytes: The tensors' peak on one device: the sum of the four tensor parts.
+        parameters: Parameter and buffer bytes at the peak.
+        gradients: Gradient bytes at the peak, DDP's gradient buckets included.
+        optimizer_state: Optimizer state bytes at the peak.
+        activations: The rest of the peak: activations, the temporaries of the op running, the batch (and under
+            FSDP the parameters and gradients the running units hold unsharded).
+        reserve: The plan's reserve (CUDA context, NCCL, cuBLAS workspaces, fragmentation); 0 for the CPU.
+    """
+
+    peak_bytes: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        """The device's peak: the tensors' peak and the reserve."""
+        return self.peak_bytes + self.reserve
+
+
+@dataclass(frozen=True)
+class ModuleMemory:
+    """The data of the ``memory_per_module`` figure: the largest modules, and the whole model's peak apart.
+
+    The whole model holds every parameter and every activation, so on the modules' scale it would dwarf them; it
+    is shown on its own axis as what the device holds at the step's peak, without and with the plan.
 
     Attributes:
         modules: The checkpointed modules and the largest other candidates, without the root and without the
             modules inside a checkpointed one.
-        model: The whole model (the root module) as one bar pair; empty for a profile without a root module.
+        without: The whole model at the peak of the step without the plan; ``None`` for a profile without a
+            timeline.
+        with_plan: The same at the peak with the plan.
     """
 
     modules: ModuleBars
-    model: ModuleBars
+    without: PeakComposition | None
+    with_plan: PeakComposition | None
 
 
 def _share(n: int, plan: Plan) -> int:
@@ -140,11 +176,11 @@ def _inside(fqn: str, plan: Plan) -> bool:
 
 def _freed_within(fqn: str, freed: dict[str, int]) -> int:
     """What the checkpointed modules that are ``fqn`` or lie inside it free: ``fqn``'s activations hold theirs."""
-    return sum(b for d, b in freed.items() if d == fqn or d.startswith(fqn + ".") or fqn == "")
+    return sum(b for d, b in freed.items() if d == fqn or d.startswith(fqn + "."))
 
 
 def module_memory(profile: ModelProfile, plan: Plan, n: int = 12) -> ModuleMemory:
-    """The ``n`` first modules of :func:`top_modules`, and the root apart (see :class:`ModuleMemory`).
+    """The ``n`` first modules of :func:`top_modules`, and the whole model's peak apart (see :class:`ModuleMemory`).
 
     Left out of the ``n``: the root, and the modules inside a checkpointed one (the plan frees their
     activations as part of their parent's; the parent's bar shows it). A module that contains checkpointed ones
@@ -166,12 +202,40 @@ def module_memory(profile: ModelProfile, plan: Plan, n: int = 12) -> ModuleMemor
 
     fqns = [f for f in top_modules(profile, plan, len(profile.modules)) if f and not _inside(f, plan)][:n]
     modules = bars(fqns, [max(0, retained.get(f, 0) - _freed_within(f, freed)) for f in fqns])
-    root = profile.modules.get("")
-    if root is None:  # a profile that recorded no root module: no whole-model bars
-        return ModuleMemory(modules=modules, model=bars([], []))
-    # The root is no candidate when the model checkpoints itself: its activations are read off its snapshots.
-    post, pre = root.memory["post_forward"], root.memory["pre_forward"]
-    retained[""] = max(0, post["activation"] - pre["activation"] - root.output_bytes)
-    # The whole model's activations lose what every checkpointed module frees (checkpointed modules never nest).
-    model = bars([""], [max(0, retained[""] - _freed_within("", freed))])
-    return ModuleMemory(modules=modules, model=model)
+    return ModuleMemory(
+        modules=modules,
+        without=peak_composition(profile, plan, applied=False),
+        with_plan=peak_composition(profile, plan),
+    )
+
+
+def peak_composition(profile: ModelProfile, plan: Plan, *, applied: bool = True) -> PeakComposition | None:
+    """The whole model at the step's peak on one device, with ``plan`` applied or not (see :class:`PeakComposition`).
+
+    The moment of the peak is the highest boundary of :func:`predicted_step_memory` (or the profile's peak with
+    the model's KV caches on, when the plan's unplanned peak is that one); ``None`` for a profile without a
+    timeline.
+    """
+    peak = plan.predicted_peak_bytes if applied else plan.unconstrained_peak_bytes
+    curve = predicted_step_memory(profile, plan, applied=applied)
+    if not curve:
+        return None
+    k = max(range(len(curve)), key=curve.__getitem__)
+    event = profile.timeline[k]
+    snapshot = event.peak_after or event.at
+    if not applied and profile.kv_cache_peak is not None and peak != curve[k]:
+        # The model without a plan runs its KV caches: its peak is the second dry run's, one snapshot.
+        snapshot = profile.kv_cache_peak
+    bucket = ddp_bucket_bytes(profile, plan.world_size) if plan.sharding == "replicated" else 0
+    # Each part is capped by what the parts before it leave of the peak, so that they add up to it exactly.
+    parameters = min(peak, _share(snapshot["parameter"], plan) + snapshot["buffer"])
+    gradients = min(peak - parameters, _share(snapshot["gradient"], plan) + bucket)
+    optimizer_state = min(peak - parameters - gradients, _share(snapshot["optimizer_state"], plan))
+    return PeakComposition(
+        peak_bytes=peak,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        activations=peak - parameters - gradients - optimizer_state,
+        reserve=sum(plan.reserve.values()),
+    )

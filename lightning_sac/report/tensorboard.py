@@ -1,15 +1,22 @@
 """TensorBoard panels of a plan: figures, the plan and its single values as text, and the peaks as series.
 
-Scalars are kept to what reads as a series: ``measured_peak_gib`` at each step AutoSAC measures, and beside it
-``budget_gib`` and ``predicted_peak_gib`` at each step a plan is made or measured, so that one custom chart
-(``lightning_sac`` in the Custom Scalars dashboard) shows the measured peak against the lines of the budget and
-the prediction. Values that do not change over a fit (the peak without the plan, the recompute time, the
-solver's status) are in the ``plan`` text panel, the plan table as the console prints it; every number is per
-device.
+The peaks are one chart: TensorBoard colours lines by run, not by tag, so the budget, the predicted and the
+measured peak are each a run of their own (``add_scalars``: the runs ``lightning_sac_peak_gib_budget``,
+``..._predicted``, ``..._measured`` beside the writer's, with one tag, ``lightning_sac/peak_gib``). The Time
+Series dashboard then draws them in one card in three colours, and the ``lightning_sac`` chart of the Custom
+Scalars dashboard shows the same. During a fit (:class:`PeakSeries`) the budget and the prediction are lines: a
+point at each plan's step, at the measured step, every ``log_every_n_steps`` optimizer steps and at the fit's
+last step. The measured peak has a point at the step measured and, so that it reads as a line beside them, its
+value again at the fit's last step: the latest measurement, not a new one (the ``measured`` text names the step).
+
+Values that do not change over a fit (the peak without the plan, the recompute time, the solver's status) are
+in the ``plan`` text panel: the plan table as the console prints it, its legend and summary as wrapped
+paragraphs; every number is per device.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -18,20 +25,35 @@ from lightning_sac.plan import Plan, plan_unit
 from lightning_sac.report.figure_data import measured_unit, top_modules
 from lightning_sac.solver import module_tradeoff
 
-__all__ = ["TAG", "log_measured", "log_plan", "measured_markdown", "plan_markdown"]
+__all__ = ["PEAKS", "TAG", "PeakSeries", "log_measured", "log_peaks", "log_plan", "measured_markdown", "plan_markdown"]
 
 #: Prefix of every tag lightning-sac writes.
 TAG = "lightning_sac"
+#: The tag of the peak series, each written to its own run (see the module docstring).
+PEAKS = f"{TAG}/peak_gib"
 _GIB = 2**30
+_CHART = "peak memory per device (GiB): budget, predicted, measured"
+_RULE = re.compile(r"^-+$")
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]#+!|])")
+
+
+def _paragraph(line: str) -> str:
+    """``line`` as markdown text that reads as written: markdown's characters escaped, ``<`` kept as text."""
+    return _MARKDOWN.sub(r"\\\1", line).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def plan_markdown(plan: Plan) -> str:
-    """The plan table as the console prints it (:meth:`Plan.table`), as a markdown code block.
+    """The plan table as the console prints it (:meth:`Plan.table`), as markdown that wraps in the TEXT tab.
 
-    One rendering: the per-module table, its legend and the plan's single values (budget, peaks with and
-    without the plan, recompute, step time, world size and sharding, solver) read the same in both places.
+    The per-module table stays a code block (columns aligned, as narrow as its module names); the lines under it
+    (the legend and the plan's single values: budget, peaks with and without the plan, recompute, step time,
+    world size and sharding, solver) are wrapped paragraphs, which a code block would cut at the card's edge.
     """
-    return f"```\n{plan.table()}\n```"
+    lines = plan.table().splitlines()
+    # The table ends at its last rule; a plan without decisions has none and is all summary.
+    end = max((i + 1 for i, line in enumerate(lines) if _RULE.match(line)), default=0)
+    blocks = [f"```\n{chr(10).join(lines[:end])}\n```"] if end else []
+    return "\n\n".join(blocks + [_paragraph(line) for line in lines[end:]])
 
 
 def measured_markdown(peak_bytes: int, step: int, plan: Plan | None = None, budget_bytes: int | None = None) -> str:
@@ -49,17 +71,8 @@ def measured_markdown(peak_bytes: int, step: int, plan: Plan | None = None, budg
 
 
 def _layout(writer: Any) -> None:
-    # One chart with the budget, the predicted and the measured peak, so a glance tells whether the plan held.
-    peaks = ["budget_gib", "predicted_peak_gib", "measured_peak_gib", "cuda_max_allocated_gib"]
-    writer.add_custom_scalars({TAG: {"peak memory per device (GiB)": ["Multiline", [f"{TAG}/{t}" for t in peaks]]}})
-
-
-def _log_lines(writer: Any, step: int, budget_bytes: int | None, predicted_bytes: int | None) -> None:
-    """The budget and the prediction at ``step``: points of the lines the measured peak is read against."""
-    if budget_bytes is not None:
-        writer.add_scalar(f"{TAG}/budget_gib", budget_bytes / _GIB, step)
-    if predicted_bytes is not None:
-        writer.add_scalar(f"{TAG}/predicted_peak_gib", predicted_bytes / _GIB, step)
+    # The peaks in one chart of the Custom Scalars dashboard: one tag, one run (and colour) per series.
+    writer.add_custom_scalars({TAG: {_CHART: ["Multiline", [PEAKS]]}})
 
 
 def log_plan(
@@ -67,13 +80,13 @@ def log_plan(
 ) -> None:
     """Write the plan's panels to a ``SummaryWriter``.
 
-    Scalars (GiB, stored as float32 by TensorBoard) ``budget_gib`` and ``predicted_peak_gib`` at ``step``;
-    text ``plan`` with the plan table and its single values (:func:`plan_markdown`); with a profile and
+    The budget and the predicted peak at ``step`` (:func:`log_peaks`); text ``plan`` with the plan table and
+    its single values (:func:`plan_markdown`); with a profile and
     ``figures``, the trade-off figure of each checkpointed module and of the top remaining candidates (``top``
     in all), memory per module, and memory across the step against the budget.
     """
     _layout(writer)
-    _log_lines(writer, step, plan.budget_bytes, plan.predicted_peak_bytes)
+    log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=plan.predicted_peak_bytes)
     writer.add_text(f"{TAG}/plan", plan_markdown(plan), step)
     if figures and profile is not None and _have_matplotlib():
         from lightning_sac.report import figures as f
@@ -100,22 +113,106 @@ def log_measured(
     figures: bool = True,
     plan: Plan | None = None,
 ) -> None:
-    """Write a measured step at ``step``, one point of the ``measured_peak_gib`` series per measured step.
+    """Write a measured step at ``step``: a point of the measured peak's series (:func:`log_peaks`).
 
-    Beside it, at the same step, ``budget_gib`` (from ``plan`` or ``budget_bytes``) and, with ``plan``,
-    ``predicted_peak_gib``; the text ``measured`` with the three numbers; with ``figures``, the stacked memory
-    timeline.
+    Beside it, at the same step, the budget (from ``plan`` or ``budget_bytes``) and, with ``plan``, the
+    predicted peak; the text ``measured`` with the three numbers; with ``figures``, the stacked memory timeline.
     """
-    _layout(writer)
-    writer.add_scalar(f"{TAG}/measured_peak_gib", timeline.peak_bytes / _GIB, step)
     budget = plan.budget_bytes if plan is not None else budget_bytes
-    _log_lines(writer, step, budget, plan.predicted_peak_bytes if plan is not None else None)
+    predicted = plan.predicted_peak_bytes if plan is not None else None
+    _layout(writer)
+    log_peaks(writer, step, budget_bytes=budget, predicted_bytes=predicted, measured_bytes=timeline.peak_bytes)
     writer.add_text(f"{TAG}/measured", measured_markdown(timeline.peak_bytes, step, plan, budget), step)
     if figures and _have_matplotlib():
         from lightning_sac.report.figures import measured_timeline_figure
 
         writer.add_figure(f"{TAG}/measured_timeline", measured_timeline_figure(timeline, budget), step)
     writer.flush()
+
+
+def log_peaks(
+    writer: Any,
+    step: int,
+    *,
+    budget_bytes: int | None = None,
+    predicted_bytes: int | None = None,
+    measured_bytes: int | None = None,
+    cuda_max_allocated_bytes: int | None = None,
+) -> None:
+    """One point at ``step`` of each peak given, in GiB (float32 in TensorBoard), each in its own run.
+
+    The runs are ``budget``, ``predicted``, ``measured`` and ``cuda_max_allocated`` under the tag
+    :data:`PEAKS`, so that TensorBoard draws them in one chart, one colour each (:func:`log_plan` and
+    :func:`log_measured` write the layout of the Custom Scalars chart that shows them).
+    """
+    peaks = {
+        "budget": budget_bytes,
+        "predicted": predicted_bytes,
+        "measured": measured_bytes,
+        "cuda_max_allocated": cuda_max_allocated_bytes,
+    }
+    writer.add_scalars(PEAKS, {k: v / _GIB for k, v in peaks.items() if v is not None}, step)
+
+
+class PeakSeries:
+    """The points of a fit's peak series, so that each is a line in TensorBoard (see the module docstring).
+
+    A fit calls :meth:`plan` for each plan it applies, :meth:`step_end` after each optimizer step,
+    :meth:`measured` for the measured step and :meth:`fit_end` once; steps are optimizer steps counted from 0,
+    the index Lightning logs ``train_loss`` under. Writing four scalars every ``log_every_n_steps`` steps costs
+    microseconds.
+
+    Attributes:
+        measured_bytes: The latest measured peak, ``None`` before one.
+    """
+
+    def __init__(self) -> None:
+        self.measured_bytes: int | None = None
+        self._measured_step = -1
+        self._lines_step = -1  # the latest step the budget and the prediction have a point at
+
+    def plan(self, writer: Any, plan: Plan, profile: ModelProfile | None, step: int, *, figures: bool) -> None:
+        """The plan's panels at ``step`` (:func:`log_plan`), the points of its budget and prediction included."""
+        log_plan(writer, plan, profile, step=step, figures=figures)
+        self._lines_step = step
+
+    def step_end(self, writer: Any, plan: Plan, step: int, every_n: int) -> None:
+        """After optimizer step ``step``: the budget and the prediction, every ``every_n`` steps (0: never)."""
+        if every_n > 0 and (step + 1) % every_n == 0 and step > self._lines_step:
+            log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=plan.predicted_peak_bytes)
+            self._lines_step = step
+
+    def measured(
+        self,
+        writer: Any,
+        plan: Plan,
+        step: int,
+        timeline: MemoryTimeline,
+        *,
+        figures: bool,
+        cuda_max_allocated_bytes: int | None = None,
+    ) -> None:
+        """The measured step ``step`` (:func:`log_measured`), with ``torch.cuda.max_memory_allocated`` on CUDA."""
+        log_measured(writer, timeline, step=step, plan=plan, figures=figures)
+        if cuda_max_allocated_bytes is not None:
+            log_peaks(writer, step, cuda_max_allocated_bytes=cuda_max_allocated_bytes)
+        self.measured_bytes, self._measured_step = timeline.peak_bytes, step
+        self._lines_step = max(self._lines_step, step)
+
+    def fit_end(self, writer: Any, plan: Plan, step: int, *, cuda_max_allocated_bytes: int | None = None) -> None:
+        """The fit's last step ``step``: each series' last point, where it has none yet (see the module docstring)."""
+        lines = step > self._lines_step
+        later = step > self._measured_step
+        log_peaks(
+            writer,
+            step,
+            budget_bytes=plan.budget_bytes if lines else None,
+            predicted_bytes=plan.predicted_peak_bytes if lines else None,
+            measured_bytes=self.measured_bytes if later else None,
+            cuda_max_allocated_bytes=cuda_max_allocated_bytes if later else None,
+        )
+        self._lines_step = max(self._lines_step, step)
+        writer.flush()
 
 
 _WARNED: list[bool] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lightning_sac.solver.candidates import find_candidates
 from lightning_sac.solver.knapsack import greedy_op_policy, least_kept_policy, optimal_op_policy
-from lightning_sac.solver.memory_model import activation_windows, device_model
+from lightning_sac.solver.memory_model import activation_windows, ddp_bucket_bytes, device_model
 from lightning_sac.solver.milp import solve_plan
 from lightning_sac.solver.recompute import recompute_ms, skipped_ops
 from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
@@ -16,6 +16,7 @@ from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 __all__ = [
     "ModuleTradeoff",
     "activation_windows",
+    "ddp_bucket_bytes",
     "device_model",
     "find_candidates",
     "greedy_op_policy",

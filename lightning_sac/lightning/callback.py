@@ -10,7 +10,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -20,7 +19,13 @@ from lightning_sac.dryrun import MemoryTimeline, ModelProfile
 from lightning_sac.errors import LightningSACError
 from lightning_sac.lightning.args import check_autosac_args, check_strategy
 from lightning_sac.lightning.batch_shapes import check_max_shapes, grow_batch, max_shapes_signature, signature_of
-from lightning_sac.lightning.fit_measure import StepMeasurement, compare_measured
+from lightning_sac.lightning.fit_measure import (
+    StepMeasurement,
+    compare_measured,
+    cuda_max_allocated,
+    logger_writer,
+    own_writer,
+)
 from lightning_sac.lightning.fit_planning import plan_message
 from lightning_sac.lightning.planning import PlanningMixin
 from lightning_sac.lightning.shape_plans import ShapePlan, ShapePlans, follow_batch
@@ -43,9 +48,8 @@ class AutoSAC(PlanningMixin, Callback):
     Variable shapes: the first plan is made for the first training batch (or ``example_batch``). Before every
     batch, the ranks agree on the dim-wise largest shapes of their batches; a batch outside what the applied plan
     was made for (a tensor dim larger than planned, or other tensors) is never run on it: AutoSAC applies a
-    cached plan that covers it or plans again for it, says so, and every rank applies the identical new plan
-    (:mod:`lightning_sac.lightning.shape_plans`). To plan once for the worst case instead, pass ``max_shapes`` (or
-    ``example_batch``/``example_batch_fn`` with the longest sequences you train on).
+    cached plan that covers it or plans again for it, says so, and every rank applies the identical new plan. To
+    plan once for the worst case instead, pass ``max_shapes`` (or ``example_batch``/``example_batch_fn``).
 
     Args:
         budget_gb: Memory budget per device, GiB.
@@ -225,7 +229,7 @@ class AutoSAC(PlanningMixin, Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plan is not None and trainer.is_global_zero and trainer.global_step > 0:
             writer, step = self._summary_writer(trainer), trainer.global_step - 1
-            self._peaks.fit_end(writer, self.plan, step, cuda_max_allocated_bytes=self._cuda_max_allocated(trainer))
+            self._peaks.fit_end(writer, self.plan, step, cuda_max_allocated_bytes=cuda_max_allocated(trainer))
 
     def _end_measured_batch(self, trainer: pl.Trainer) -> None:
         """Read the measured step once its last micro-batch ended; log it and say whether the plan held."""
@@ -243,16 +247,11 @@ class AutoSAC(PlanningMixin, Callback):
             return
         self.measured = measured
         step = trainer.global_step - 1  # the measured optimizer step, indexed as Lightning logs train_loss
-        cuda = self._cuda_max_allocated(trainer)
+        cuda = cuda_max_allocated(trainer)
         writer = self._summary_writer(trainer)
         self._peaks.measured(writer, self.plan, step, measured, figures=self.log_figures, cuda_max_allocated_bytes=cuda)
         device = trainer.strategy.root_device
         self.compare_measured(self.measured.peak_bytes, device.type, self._target(trainer).is_cuda)
-
-    @staticmethod
-    def _cuda_max_allocated(trainer: pl.Trainer) -> int | None:
-        device = trainer.strategy.root_device
-        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     def compare_measured(self, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
         """Warn when a measured peak on the planned device exceeds the budget: the plan did not hold."""
@@ -261,16 +260,10 @@ class AutoSAC(PlanningMixin, Callback):
 
     def _summary_writer(self, trainer: pl.Trainer) -> Any:
         """The trainer's TensorBoard writer when it has a TensorBoardLogger, otherwise our own."""
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                return logger.experiment
-        if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Not trainer.log_dir: it broadcasts, and only global rank 0 gets here.
-            logger_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
-            self._writer = SummaryWriter(os.path.join(logger_dir or trainer.default_root_dir, "lightning_sac_logs"))
-        return self._writer
+        writer = logger_writer(trainer)
+        if writer is None and self._writer is None:
+            self._writer = own_writer(trainer)
+        return writer if writer is not None else self._writer
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

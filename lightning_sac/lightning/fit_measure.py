@@ -11,10 +11,12 @@ state and the batch, each storage once) plus the highest net allocation inside t
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
@@ -22,7 +24,14 @@ from torch.profiler import ProfilerActivity, record_function
 from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, memory_timeline, tensors_of, unique_bytes
 from lightning_sac.plan import Plan, device_peak, plan_unit, reserve_bytes, reserve_note
 
-__all__ = ["StepMeasurement", "compare_measured", "window_peak"]
+__all__ = [
+    "StepMeasurement",
+    "compare_measured",
+    "cuda_max_allocated",
+    "logger_writer",
+    "own_writer",
+    "window_peak",
+]
 
 _GIB = 2**30
 _WINDOW = "lightning_sac_measured_cycle"
@@ -155,3 +164,26 @@ def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_i
             f"AutoSAC measured the first planned step: {figures}: within budget, "
             f"{unit(plan.budget_bytes - total)} to spare."
         )
+
+
+def cuda_max_allocated(trainer: pl.Trainer) -> int | None:
+    """``torch.cuda.max_memory_allocated()`` of the trainer's device, ``None`` off CUDA."""
+    device = trainer.strategy.root_device
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def logger_writer(trainer: pl.Trainer) -> Any:
+    """The ``SummaryWriter`` of the trainer's first TensorBoardLogger, ``None`` without one."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def own_writer(trainer: pl.Trainer) -> Any:
+    """AutoSAC's own ``SummaryWriter``: ``lightning_sac_logs`` under the logger's folder or the root folder."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    # Not trainer.log_dir: it broadcasts, and only global rank 0 gets here.
+    logger_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
+    return SummaryWriter(os.path.join(logger_dir or trainer.default_root_dir, "lightning_sac_logs"))

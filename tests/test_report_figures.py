@@ -202,12 +202,36 @@ def test_measured_peak_is_logged_as_a_series_of_the_measured_steps(tmp_path, pro
     acc.Reload()
     text = acc.Tensors(f"{TAG}/measured/text_summary")[-1].tensor_proto.string_val[0].decode()
     unit = plan_unit(plan, [large.peak_bytes])
-    assert f"measured peak per device at step 7: **{unit(large.peak_bytes)}**" in text
-    assert f"budget {unit(plan.budget_bytes)}" in text
+    shown = f"{unit(large.peak_bytes)} of {unit(plan.budget_bytes)} budget"
+    assert f"measured peak per device at step 7: **{shown}**" in text
 
 
 def overlaps(a, b) -> bool:  # noqa: ANN001
     return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_a_gpu_plan_s_peaks_are_device_totals_with_the_reserve_inside(tmp_path):
+    # The budget holds the CUDA reserve: the predicted and measured series add it to the tensors, so that the three
+    # lines read against each other as the plan table states them.
+    from lightning_sac import Plan
+
+    mib = 2**20
+    reserve = {"context_bytes": 709 * mib, "blas_workspace_bytes": 64 * mib}
+    plan = Plan(budget_bytes=2 * GIB, device="H100-SXM", predicted_peak_bytes=GIB, reserve=reserve)
+    timeline = step_timeline(64)
+    writer = SummaryWriter(tmp_path)
+    log_measured(writer, timeline, step=1, plan=plan, figures=False)
+    writer.close()
+    points = peak_points(tmp_path)
+    kept = 773 * mib
+    assert points["budget"] == [(1, pytest.approx(2.0))]
+    assert points["predicted"] == [(1, pytest.approx((GIB + kept) / GIB, rel=1e-7))]
+    assert points["measured"] == [(1, pytest.approx((timeline.peak_bytes + kept) / GIB, rel=1e-7))]
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = acc.Tensors(f"{TAG}/measured/text_summary")[-1].tensor_proto.string_val[0].decode()
+    unit = plan_unit(plan, [timeline.peak_bytes])
+    assert f"**{unit(timeline.peak_bytes + kept)} of 2.000 GiB budget** ({unit(kept)} CUDA reserve included)" in text
 
 
 def test_figures_are_legible_at_thumbnail_size_with_legends_off_the_curves(profile):

@@ -21,7 +21,7 @@ import warnings
 from typing import Any
 
 from lightning_sac.dryrun import MemoryTimeline, ModelProfile
-from lightning_sac.plan import Plan, plan_unit
+from lightning_sac.plan import Plan, device_peak, plan_unit, reserve_bytes, reserve_note
 from lightning_sac.report.figure_data import measured_unit, top_modules
 from lightning_sac.solver import module_tradeoff
 
@@ -57,17 +57,22 @@ def plan_markdown(plan: Plan) -> str:
 
 
 def measured_markdown(peak_bytes: int, step: int, plan: Plan | None = None, budget_bytes: int | None = None) -> str:
-    """One line: the measured peak at ``step`` beside the budget and the prediction it is read against."""
-    budget = plan.budget_bytes if plan is not None else budget_bytes
-    unit = plan_unit(plan, [peak_bytes]) if plan is not None else measured_unit(peak_bytes, budget)
-    text = f"measured peak per device at step {step}: **{unit(peak_bytes)}**"
-    if budget is not None:
-        text += f", budget {unit(budget)}"
-    if plan is not None:
-        predicted = plan.predicted_peak_bytes
-        error = (peak_bytes - predicted) / predicted if predicted else 0.0
-        text += f", predicted {unit(predicted)} for {plan.device} ({error:+.1%})"
-    return text + "."
+    """One line: the measured peak at ``step`` beside the budget and the prediction it is read against.
+
+    With a plan, every figure is the device total the budget bounds, the plan's reserve named inside it, as the
+    plan table and the console's verdict state a peak.
+    """
+    if plan is None:
+        unit = measured_unit(peak_bytes, budget_bytes)
+        text = f"measured peak per device at step {step}: **{unit(peak_bytes)}**"
+        return text + (f", budget {unit(budget_bytes)}." if budget_bytes is not None else ".")
+    unit, reserve = plan_unit(plan, [peak_bytes]), reserve_bytes(plan)
+    note = reserve_note(plan, unit)
+    text = f"measured peak per device at step {step}: **{device_peak(plan, peak_bytes, unit)}**"
+    text += f" ({note})" if note else ""
+    predicted = plan.predicted_peak_bytes + reserve
+    error = (peak_bytes + reserve - predicted) / predicted if predicted else 0.0
+    return text + f", predicted {unit(predicted)} for {plan.device} ({error:+.1%})."
 
 
 def _layout(writer: Any) -> None:
@@ -86,7 +91,8 @@ def log_plan(
     in all), memory per module, and memory across the step against the budget.
     """
     _layout(writer)
-    log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=plan.predicted_peak_bytes)
+    reserve = reserve_bytes(plan)
+    log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=plan.predicted_peak_bytes, reserve=reserve)
     writer.add_text(f"{TAG}/plan", plan_markdown(plan), step)
     if figures and profile is not None and _have_matplotlib():
         from lightning_sac.report import figures as f
@@ -121,7 +127,9 @@ def log_measured(
     budget = plan.budget_bytes if plan is not None else budget_bytes
     predicted = plan.predicted_peak_bytes if plan is not None else None
     _layout(writer)
-    log_peaks(writer, step, budget_bytes=budget, predicted_bytes=predicted, measured_bytes=timeline.peak_bytes)
+    reserve = reserve_bytes(plan) if plan is not None else 0
+    measured = timeline.peak_bytes
+    log_peaks(writer, step, budget_bytes=budget, predicted_bytes=predicted, measured_bytes=measured, reserve=reserve)
     writer.add_text(f"{TAG}/measured", measured_markdown(timeline.peak_bytes, step, plan, budget), step)
     if figures and _have_matplotlib():
         from lightning_sac.report.figures import measured_timeline_figure
@@ -138,8 +146,12 @@ def log_peaks(
     predicted_bytes: int | None = None,
     measured_bytes: int | None = None,
     cuda_max_allocated_bytes: int | None = None,
+    reserve: int = 0,
 ) -> None:
     """One point at ``step`` of each peak given, in GiB (float32 in TensorBoard), each in its own run.
+
+    ``reserve`` (a plan's :func:`~lightning_sac.plan.reserve_bytes`) is added to the predicted and the measured
+    tensors, so that they are the device totals the budget bounds; ``cuda_max_allocated`` is the allocator's own.
 
     The runs are ``budget``, ``predicted``, ``measured`` and ``cuda_max_allocated`` under the tag
     :data:`PEAKS`, so that TensorBoard draws them in one chart, one colour each (:func:`log_plan` and
@@ -147,8 +159,8 @@ def log_peaks(
     """
     peaks = {
         "budget": budget_bytes,
-        "predicted": predicted_bytes,
-        "measured": measured_bytes,
+        "predicted": None if predicted_bytes is None else predicted_bytes + reserve,
+        "measured": None if measured_bytes is None else measured_bytes + reserve,
         "cuda_max_allocated": cuda_max_allocated_bytes,
     }
     writer.add_scalars(PEAKS, {k: v / _GIB for k, v in peaks.items() if v is not None}, step)
@@ -179,7 +191,8 @@ class PeakSeries:
     def step_end(self, writer: Any, plan: Plan, step: int, every_n: int) -> None:
         """After optimizer step ``step``: the budget and the prediction, every ``every_n`` steps (0: never)."""
         if every_n > 0 and (step + 1) % every_n == 0 and step > self._lines_step:
-            log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=plan.predicted_peak_bytes)
+            predicted, reserve = plan.predicted_peak_bytes, reserve_bytes(plan)
+            log_peaks(writer, step, budget_bytes=plan.budget_bytes, predicted_bytes=predicted, reserve=reserve)
             self._lines_step = step
 
     def measured(
@@ -210,6 +223,7 @@ class PeakSeries:
             predicted_bytes=plan.predicted_peak_bytes if lines else None,
             measured_bytes=self.measured_bytes if later else None,
             cuda_max_allocated_bytes=cuda_max_allocated_bytes if later else None,
+            reserve=reserve_bytes(plan),
         )
         self._lines_step = max(self._lines_step, step)
         writer.flush()

@@ -112,6 +112,16 @@ def _checked(device: str) -> str:
     return spec.name
 
 
+def test_fsdp_n_is_world_size_n_sharded():
+    parse = plan_command_parser().parse_args
+    args = parse(["tiny_devices:make", "--budget-gb", "70", "--device", "H100-SXM", "--fsdp", "8"])
+    check_plan_args(args)
+    assert (args.world_size, args.sharding) == (8, "sharded")
+    for wrong in (["--fsdp", "1"], ["--fsdp", "8", "--world-size", "4"]):
+        with pytest.raises(UsageError, match=r"--fsdp \d means FSDP over \d devices"):
+            check_plan_args(parse(["tiny_devices:make", "--budget-gb", "70", *wrong]))
+
+
 @pytest.mark.parametrize(
     ("typed", "entry"),
     [

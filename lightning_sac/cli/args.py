@@ -158,6 +158,14 @@ def check_plan_args(args: argparse.Namespace) -> tuple[DeviceSpec, list[str]]:
     if args.factory is not None:
         split_target(args.factory)
     args.budget_gb = parse_budget(args.budget_gb)
+    fsdp = getattr(args, "fsdp", None)
+    if fsdp is not None:
+        if fsdp < 2 or args.world_size not in (1, fsdp):
+            raise UsageError(
+                f"--fsdp {fsdp} means FSDP over {fsdp} devices (--world-size {fsdp} --sharding sharded): it needs "
+                f"at least 2 devices and no other --world-size (got {args.world_size}); give one of the two"
+            )
+        args.world_size, args.sharding = fsdp, "sharded"
     if args.world_size < 1:
         raise UsageError(
             f"--world-size is the number of devices, at least 1, got {args.world_size}: e.g. --world-size 8"

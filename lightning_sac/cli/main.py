@@ -252,6 +252,13 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="replicated (DDP: every device holds all parameters, gradients, optimizer state) or sharded (FSDP: "
         "those divided over --world-size devices)",
     )
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="FSDP over N devices: the same as --world-size N --sharding sharded",
+    )
     add_step_arguments(parser)
     parser.add_argument(
         "--estimate",

@@ -2,7 +2,8 @@
 
 Storages are tracked, not tensors: views and in-place results share their base's storage and allocate
 nothing, which is what an allocator sees. A storage is counted from the op that creates it until its last
-tensor dies (a weak reference tells us), rounded as the target's allocator rounds it.
+tensor dies (a weak reference tells us), rounded as the target's allocator rounds it. Where eager computes in place
+what the dry run computes out of place (autograd's gradient sums), the new storage takes the old one's count over.
 """
 
 from __future__ import annotations

@@ -63,8 +63,9 @@ class InputBuffers:
         if root is None:
             return
         for node in _nodes(root):
-            # AccumulateGrad steals its gradient when it holds the last reference (into .grad); a post hook makes the
-            # engine keep a copy of a node's inputs. It sends no gradient on, so it has no sums to mark either.
+            # Not AccumulateGrad: it moves its gradient into .grad when it holds the last reference, and a post hook
+            # makes the engine keep a copy of a node's inputs (it would copy the gradient instead). It sends no
+            # gradient on, so it has no sums to mark either.
             if node.name() != _ACCUMULATE_GRAD:
                 self.handles.append(node.register_hook(self._outputs_ready))
 

@@ -2,7 +2,8 @@
 
 Storages are tracked, not tensors: views and in-place results share their base's storage and allocate
 nothing, which is what an allocator sees. A storage is counted from the op that creates it until its last
-tensor dies (a weak reference tells us), rounded as the target's allocator rounds it.
+tensor dies (a weak reference tells us), rounded as the target's allocator rounds it. Where eager computes in place
+what the dry run computes out of place (autograd's gradient sums), the new storage takes the old one's count over.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lightning_sac.dryrun.data import MemorySnapshot, empty_snapshot
 
 __all__ = ["LiveMemory", "PeakWatch"]
 
-# The allocator model's key for a workspace: no storage has a negative id.
+# The allocator model's key for a workspace: the storages' keys count up from 0.
 _TRANSIENT = -1
 
 
@@ -53,7 +54,10 @@ class LiveMemory:
         self._round = round_bytes
         self._location = location
         self._on_free = on_free
-        self._live: dict[int, tuple[str, int]] = {}
+        # Per live storage (by id): its category, its counted bytes and its block's key in the allocator model. The
+        # block's key is a serial, not the id: a storage handed over (hand_over) keeps its block under a new id.
+        self._live: dict[int, tuple[str, int, int]] = {}
+        self._blocks = 0
         # The weak references must outlive the storages for their callbacks to fire.
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self.current: MemorySnapshot = empty_snapshot()
@@ -76,11 +80,11 @@ class LiveMemory:
         if key in self._live:
             return 0
         nbytes = self._round(storage.nbytes() if nbytes is None else nbytes)
-        self._live[key] = (category, nbytes)
-        # id() is only unique while the object lives; the callback drops the key before it can be reused.
-        self._refs[key] = weakref.ref(storage, functools.partial(self._on_collected, key))
+        self._live[key] = (category, nbytes, self._blocks)
+        self._watch_death(storage)
         if self.allocator is not None:
-            self.allocator.malloc(key, nbytes)
+            self.allocator.malloc(self._blocks, nbytes)
+        self._blocks += 1
         self.current[category] += nbytes
         self.total += nbytes
         self._update_peaks()
@@ -105,10 +109,27 @@ class LiveMemory:
         if key not in self._live:
             self.track(storage, category)
             return
-        old, nbytes = self._live[key]
+        old, nbytes, block = self._live[key]
         self.current[old] -= nbytes
         self.current[category] += nbytes
-        self._live[key] = (category, nbytes)
+        self._live[key] = (category, nbytes, block)
+
+    def hand_over(self, old: torch.UntypedStorage, new: torch.UntypedStorage) -> None:
+        """Count ``new`` as ``old`` from now on: a result eager computes in place, in ``old``'s memory.
+
+        The dry run gave the result a storage of its own (``new``, not yet counted) where eager allocates nothing;
+        ``old`` dies with nothing freed, and ``new`` frees ``old``'s bytes when it dies.
+        """
+        if not self.is_live(old) or self.is_live(new):
+            return
+        self._live[id(new)] = self._live.pop(id(old))
+        del self._refs[id(old)]  # the dropped weak reference never calls back: old's death frees nothing
+        self._watch_death(new)
+
+    def _watch_death(self, storage: torch.UntypedStorage) -> None:
+        # id() is only unique while the object lives; the callback drops the key before it can be reused.
+        key = id(storage)
+        self._refs[key] = weakref.ref(storage, functools.partial(self._on_collected, key))
 
     def _on_collected(self, key: int, _ref: object) -> None:
         self._free(key)
@@ -116,10 +137,10 @@ class LiveMemory:
     def _free(self, key: int) -> None:
         if self._closed or key not in self._live:
             return
-        category, nbytes = self._live.pop(key)
+        category, nbytes, block = self._live.pop(key)
         del self._refs[key]
         if self.allocator is not None:
-            self.allocator.free(key)
+            self.allocator.free(block)
         self.current[category] -= nbytes
         self.total -= nbytes
         if self._on_free is not None:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.dryrun.autograd.input_buffer import InputBuffers
 from lightning_sac.dryrun.cuda.allocator import AllocatorConfig, CachingAllocatorModel
 from lightning_sac.dryrun.data import TimelineEvent
 from lightning_sac.dryrun.memory import LiveMemory, PeakWatch
@@ -102,6 +103,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self._next_serial = 0
         self._saved: set[tuple[int, int]] = set()
         self._handles: list[RemovableHandle] = []
+        self._buffers = InputBuffers(self._handles)
         self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
         self._hook_modules(model)
 
@@ -114,6 +116,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         if self.phase == "backward":
             for fqn in reversed(list(self._bwd_open)):
                 self._end_backward(fqn)
+            self._buffers.done()
         if phase == "backward":
             self._backward_pass += 1
         self.phase = phase
@@ -214,6 +217,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         kwargs = kwargs or {}
         if self.phase == "forward" and torch._C._current_graph_task_id() != -1:
             raise self._unannounced_backward(func)
+        summed_into = None
+        if self.phase == "backward":
+            self._buffers.watch()
+            summed_into = self._buffers.summed_in_place(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except MetaKernelError as err:  # a fake kernel that failed, with no fallback (meta_fallback.py)
@@ -227,6 +234,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         for t in inputs:
             # A storage no op created was alive before the step (e.g. a tensor attribute): count it as such.
             self._track(t.untyped_storage(), "other")
+        if summed_into is not None:
+            # Autograd summing two gradient contributions, which eager does in place (dryrun/autograd/): the sum
+            # is the first one's memory, and nothing new is allocated.
+            self.memory.hand_over(summed_into.untyped_storage(), out.untyped_storage())
         if func is _DEVICE_QUERY:
             # Most ops ask their arguments' device (36,000 of an 80-layer Llama step's 63,000 calls here): a query
             # makes no storage, runs no kernel, needs no workspace, and SAC ignores it. Nothing more to record.

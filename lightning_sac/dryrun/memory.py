@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_sac.dryrun.cuda.allocator import CachingAllocatorModel
+from lightning_sac.dryrun.cuda.trace import TraceRecorder
 from lightning_sac.dryrun.data import MemorySnapshot, empty_snapshot
 
 __all__ = ["LiveMemory", "PeakWatch"]
 
-# The allocator model's key for a workspace: no storage has a negative id.
+# The trace's key for a workspace: no storage has a negative id.
 _TRANSIENT = -1
 
 
@@ -38,8 +38,8 @@ class LiveMemory:
         round_bytes: Maps a storage's size to what the target allocator reserves for it.
         location: Called at each new peak to say where the step is (e.g. ``"backward:blocks.0"``).
         on_free: Called with a storage's key (its ``id``) and counted bytes when it is freed.
-        allocator: A model of the target's caching allocator that replays every allocation and free
-            (:class:`~lightning_sac.dryrun.cuda.allocator.CachingAllocatorModel`), for its reserved bytes.
+        trace: Records every allocation and free in order (:class:`~lightning_sac.dryrun.cuda.trace.TraceRecorder`),
+            for the target's caching allocator model to replay.
     """
 
     def __init__(
@@ -47,9 +47,9 @@ class LiveMemory:
         round_bytes: Callable[[int], int],
         location: Callable[[], str],
         on_free: Callable[[int, int], None] | None = None,
-        allocator: CachingAllocatorModel | None = None,
+        trace: TraceRecorder | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.trace = trace
         self._round = round_bytes
         self._location = location
         self._on_free = on_free
@@ -79,8 +79,8 @@ class LiveMemory:
         self._live[key] = (category, nbytes)
         # id() is only unique while the object lives; the callback drops the key before it can be reused.
         self._refs[key] = weakref.ref(storage, functools.partial(self._on_collected, key))
-        if self.allocator is not None:
-            self.allocator.malloc(key, nbytes)
+        if self.trace is not None:
+            self.trace.malloc(key, nbytes, category)
         self.current[category] += nbytes
         self.total += nbytes
         self._update_peaks()
@@ -90,9 +90,9 @@ class LiveMemory:
         """Account for ``nbytes`` a kernel allocates and frees within one op (a workspace) at the peaks."""
         if nbytes <= 0:
             return
-        if self.allocator is not None:
-            self.allocator.malloc(_TRANSIENT, nbytes)
-            self.allocator.free(_TRANSIENT)
+        if self.trace is not None:
+            self.trace.malloc(_TRANSIENT, nbytes, category)
+            self.trace.free(_TRANSIENT)
         self.current[category] += nbytes
         self.total += nbytes
         self._update_peaks()
@@ -106,6 +106,8 @@ class LiveMemory:
             self.track(storage, category)
             return
         old, nbytes = self._live[key]
+        if self.trace is not None:
+            self.trace.recategorize(key, category)
         self.current[old] -= nbytes
         self.current[category] += nbytes
         self._live[key] = (category, nbytes)
@@ -118,8 +120,8 @@ class LiveMemory:
             return
         category, nbytes = self._live.pop(key)
         del self._refs[key]
-        if self.allocator is not None:
-            self.allocator.free(key)
+        if self.trace is not None:
+            self.trace.free(key)
         self.current[category] -= nbytes
         self.total -= nbytes
         if self._on_free is not None:

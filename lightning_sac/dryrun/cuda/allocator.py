@@ -320,4 +320,3 @@ class CachingAllocatorModel:
             self._release_segment(pool, a, s)
             released += s
         return released >= key
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lightning_sac import profile_model, solve_plan
 from lightning_sac.demos.models import GPT, GPTConfig
@@ -18,10 +19,10 @@ from lightning_sac.dryrun.cuda.allocator import AllocatorConfig, CachingAllocato
 from lightning_sac.plan import StepFragmentation, device_reserve, planned_trace
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-EXPANDABLE = AllocatorConfig(expandable_segments=True)
+DEFAULT, EXPANDABLE = AllocatorConfig(), AllocatorConfig(expandable_segments=True)
 
 
-def model_after(sizes: dict[int, int], frees: tuple[int, ...] = (), config=AllocatorConfig(), capacity=None):
+def model_after(sizes: dict[int, int], frees: tuple[int, ...] = (), config=DEFAULT, capacity=None):
     """Allocate ``sizes`` (key -> bytes) in order, then free ``frees``."""
     model = CachingAllocatorModel(config, capacity)
     for key, nbytes in sizes.items():
@@ -127,6 +128,20 @@ def test_expandable_segments_map_pages_and_unmap_free_ones_under_pressure():
     model.malloc(2, 40 * MiB)
     model.malloc(3, 20 * MiB)  # the hole's last page
     assert (model.reserved, model.peak_reserved) == (100 * MiB, 100 * MiB)
+
+
+def test_the_dry_run_replays_under_the_users_allocator_settings(monkeypatch):
+    # torch reads PYTORCH_ALLOC_CONF first, then the older PYTORCH_CUDA_ALLOC_CONF; the trace keeps what it read.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 4000), nn.ReLU(), nn.Linear(4000, 256))
+    profile = profile_model(model, (torch.randn(1500, 256),), optimizer_factory=torch.optim.AdamW, device="H100-SXM")
+    trace = profile.allocations
+    assert trace.alloc_conf == "expandable_segments:True" and trace.config == EXPANDABLE
+    # One growing segment per pool: 102 MiB reserved for 97.5 MiB of tensors, where segments would hold 114 MiB.
+    assert profile.reserved_peak_bytes == replay(trace.events, trace.sizes, EXPANDABLE).reserved == 102 * MiB
+    assert replay(trace.events, trace.sizes).reserved == 114 * MiB
 
 
 def _gpt_h100_profile():

@@ -70,7 +70,11 @@ def solve_plan(
     ``budget_gb`` GiB, counting parameters, gradients and optimizer state (divided by ``world_size`` when
     sharded) and activations, activation gradients and temporaries at every module boundary (see
     :mod:`lightning_sac.solver.memory_model`). A module is never checkpointed together with an ancestor or
-    descendant. Each chosen module's discard ratio becomes an exact op policy (:func:`optimal_op_policy`).
+    descendant. Each chosen module's discard ratio becomes an exact op policy (:func:`optimal_op_policy`). On a
+    CUDA target the budget also holds the device's reserve (:mod:`lightning_sac.plan.reserve`), whose fragmentation
+    is the planned step's own (:mod:`lightning_sac.plan.fragmentation`): the plan is solved with an estimate, its
+    allocations replayed, and solved again with its own figure, a few rounds; only a plan whose tensors and own
+    fragmentation fit is kept.
 
     Args:
         profile: Profile of the training step on the target device.

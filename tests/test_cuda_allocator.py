@@ -6,14 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from lightning_sac.dryrun.cuda.allocator import (
-    AllocatorConfig,
-    AllocatorPeak,
-    CachingAllocatorModel,
-    round_size,
-    segment_bytes,
-    simulate,
-)
+from lightning_sac.dryrun.cuda.allocator import AllocatorConfig, CachingAllocatorModel, round_size, segment_bytes
+from lightning_sac.dryrun.cuda.trace import AllocatorPeak, simulate
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT, EXPANDABLE = AllocatorConfig(), AllocatorConfig(expandable_segments=True)

@@ -6,6 +6,7 @@ category for every module and op, runtimes, SAC statistics, orders. Emulates a C
 
 from __future__ import annotations
 
+from lightning_sac.dryrun.cuda.trace import AllocationTrace, Replayed, needed_reserved, replay
 from lightning_sac.dryrun.data import (
     CATEGORIES,
     PHASES,
@@ -46,6 +47,10 @@ from lightning_sac.dryrun.values.moe_routing import routing_bound_bytes
 from lightning_sac.dryrun.values.placeholders import placeholder_message
 
 __all__ = [
+    "AllocationTrace",
+    "Replayed",
+    "needed_reserved",
+    "replay",
     "fingerprint_of",
     "profile_fingerprint",
     "CATEGORIES",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.dryrun.cuda.trace import AllocationTrace
 from lightning_sac.dryrun.op_stats import ModuleOpStats
 from lightning_sac.sharding import ShardedLayout
 
@@ -203,6 +204,9 @@ class ModelProfile:
         routing: Each call of a mixture-of-experts layer's experts module, routed in the dry run on an even split of
             its ``top_k x tokens`` rows (:mod:`lightning_sac.dryrun.values.moe_routing`): ``module``, ``experts``,
             ``top_k``, ``tokens``, ``rows_per_expert`` and ``rows_follow_routing``.
+        allocations: For a CUDA target, every allocation and free of the step in order, for the caching allocator
+            model to replay this step or a planned one (:mod:`lightning_sac.dryrun.cuda.trace`); ``None`` for the
+            CPU and for a profile saved before it was kept.
     """
 
     device: DeviceSpec
@@ -233,6 +237,7 @@ class ModelProfile:
     sharded: ShardedLayout | None = None
     data_parallel: bool = False
     routing: list[dict[str, Any]] = field(default_factory=list)
+    allocations: AllocationTrace | None = None
 
     @property
     def plain_peak_bytes(self) -> int:
@@ -251,6 +256,7 @@ class ModelProfile:
         d["modules"] = {k: dataclasses.asdict(m) for k, m in self.modules.items()}
         d["timeline"] = [dataclasses.asdict(e) for e in self.timeline]
         d["sharded"] = None if self.sharded is None else self.sharded.to_dict()
+        d["allocations"] = None if self.allocations is None else dataclasses.asdict(self.allocations)
         return d
 
     @classmethod
@@ -262,6 +268,8 @@ class ModelProfile:
         d["timeline"] = [TimelineEvent(**e) for e in d["timeline"]]
         if d.get("sharded") is not None:
             d["sharded"] = ShardedLayout.from_dict(d["sharded"])
+        if d.get("allocations") is not None:
+            d["allocations"] = AllocationTrace.from_dict(d["allocations"])
         return cls(**d)
 
     def to_json(self, indent: int | None = None) -> str:

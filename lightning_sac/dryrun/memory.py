@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_sac.dryrun.cuda.allocator import CachingAllocatorModel
+from lightning_sac.dryrun.cuda.trace import TraceRecorder
 from lightning_sac.dryrun.data import MemorySnapshot, empty_snapshot
 
 __all__ = ["LiveMemory", "PeakWatch"]
 
-# The allocator model's key for a workspace: the storages' keys count up from 0.
+# The trace's key for a workspace: the storages' keys count up from 0.
 _TRANSIENT = -1
 
 
@@ -39,8 +39,8 @@ class LiveMemory:
         round_bytes: Maps a storage's size to what the target allocator reserves for it.
         location: Called at each new peak to say where the step is (e.g. ``"backward:blocks.0"``).
         on_free: Called with a storage's key (its ``id``) and counted bytes when it is freed.
-        allocator: A model of the target's caching allocator that replays every allocation and free
-            (:class:`~lightning_sac.dryrun.cuda.allocator.CachingAllocatorModel`), for its reserved bytes.
+        trace: Records every allocation and free in order (:class:`~lightning_sac.dryrun.cuda.trace.TraceRecorder`),
+            for the target's caching allocator model to replay.
     """
 
     def __init__(
@@ -48,14 +48,14 @@ class LiveMemory:
         round_bytes: Callable[[int], int],
         location: Callable[[], str],
         on_free: Callable[[int, int], None] | None = None,
-        allocator: CachingAllocatorModel | None = None,
+        trace: TraceRecorder | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.trace = trace
         self._round = round_bytes
         self._location = location
         self._on_free = on_free
-        # Per live storage (by id): its category, its counted bytes and its block's key in the allocator model. The
-        # block's key is a serial, not the id: a storage handed over (hand_over) keeps its block under a new id.
+        # Per live storage (by id): its category, its counted bytes and its key in the trace. The trace's key is a
+        # serial, not the id: a result eager computes in place takes over its operand's block (hand_over).
         self._live: dict[int, tuple[str, int, int]] = {}
         self._blocks = 0
         # The weak references must outlive the storages for their callbacks to fire.
@@ -82,8 +82,8 @@ class LiveMemory:
         nbytes = self._round(storage.nbytes() if nbytes is None else nbytes)
         self._live[key] = (category, nbytes, self._blocks)
         self._watch_death(storage)
-        if self.allocator is not None:
-            self.allocator.malloc(self._blocks, nbytes)
+        if self.trace is not None:
+            self.trace.malloc(self._blocks, nbytes, category)
         self._blocks += 1
         self.current[category] += nbytes
         self.total += nbytes
@@ -94,9 +94,9 @@ class LiveMemory:
         """Account for ``nbytes`` a kernel allocates and frees within one op (a workspace) at the peaks."""
         if nbytes <= 0:
             return
-        if self.allocator is not None:
-            self.allocator.malloc(_TRANSIENT, nbytes)
-            self.allocator.free(_TRANSIENT)
+        if self.trace is not None:
+            self.trace.malloc(_TRANSIENT, nbytes, category)
+            self.trace.free(_TRANSIENT)
         self.current[category] += nbytes
         self.total += nbytes
         self._update_peaks()
@@ -110,6 +110,8 @@ class LiveMemory:
             self.track(storage, category)
             return
         old, nbytes, block = self._live[key]
+        if self.trace is not None:
+            self.trace.recategorize(block, category)
         self.current[old] -= nbytes
         self.current[category] += nbytes
         self._live[key] = (category, nbytes, block)
@@ -118,7 +120,7 @@ class LiveMemory:
         """Count ``new`` as ``old`` from now on: a result eager computes in place, in ``old``'s memory.
 
         The dry run gave the result a storage of its own (``new``, not yet counted) where eager allocates nothing;
-        ``old`` dies with nothing freed, and ``new`` frees ``old``'s bytes when it dies.
+        ``old`` dies with nothing freed, and ``new`` frees ``old``'s bytes (and block) when it dies.
         """
         if not self.is_live(old) or self.is_live(new):
             return
@@ -139,8 +141,8 @@ class LiveMemory:
             return
         category, nbytes, block = self._live.pop(key)
         del self._refs[key]
-        if self.allocator is not None:
-            self.allocator.free(block)
+        if self.trace is not None:
+            self.trace.free(block)
         self.current[category] -= nbytes
         self.total -= nbytes
         if self._on_free is not None:

@@ -12,7 +12,6 @@ dispatch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +23,8 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun.autograd.input_buffer import InputBuffers
-from lightning_sac.dryrun.cuda.allocator import AllocatorConfig, CachingAllocatorModel
+from lightning_sac.dryrun.cuda.alloc_config import alloc_conf
+from lightning_sac.dryrun.cuda.trace import TraceRecorder
 from lightning_sac.dryrun.data import TimelineEvent
 from lightning_sac.dryrun.memory import LiveMemory, PeakWatch
 from lightning_sac.dryrun.modules.hooks import ModuleHooks
@@ -49,11 +49,6 @@ __all__ = ["StepRecorder"]
 
 _DEVICE_QUERY = torch.ops.prim.device.default
 _NEW_STORAGE_CATEGORY = {"forward": "activation", "backward": "temporary", "optimizer": "temporary"}
-
-
-def _alloc_conf() -> str | None:
-    # torch reads PYTORCH_ALLOC_CONF first; PYTORCH_CUDA_ALLOC_CONF is its older, deprecated name.
-    return os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 
 class StepRecorder(ModuleHooks, TorchDispatchMode):
@@ -88,9 +83,10 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self.spec = spec
         self.estimator = estimator
         self.phase = "setup"
-        # A CUDA target's caching allocator is replayed for what it reserves beyond the tensors (fragmentation).
-        allocator = CachingAllocatorModel(AllocatorConfig.from_env(_alloc_conf())) if spec.is_cuda else None
-        self.memory = LiveMemory(spec.round_bytes, self._location, on_free=self._on_free, allocator=allocator)
+        # A CUDA target's allocations are kept in order, for its caching allocator model to replay: what it
+        # reserves beyond the tensors (fragmentation), for this step and for the step a plan makes of it.
+        trace = TraceRecorder(alloc_conf()) if spec.is_cuda else None
+        self.memory = LiveMemory(spec.round_bytes, self._location, on_free=self._on_free, trace=trace)
         self.cum_ms = 0.0
         self._phase_start_ms = 0.0
         self.phase_ms: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -119,6 +115,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             self._buffers.done()
         if phase == "backward":
             self._backward_pass += 1
+        if self.memory.trace is not None:  # the optimizer steps FSDP's shards: what it makes is divided too
+            self.memory.trace.sharding_new = phase == "optimizer"
         self.phase = phase
         self._event("phase", phase)
 
@@ -132,6 +130,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             self.memory.close_watch(self._interval)
         self._interval = None if kind == "phase" and name == "done" else self.memory.open_watch()
         self.timeline.append(TimelineEvent(kind=kind, name=name, at=self.memory.snapshot(), peak_after={}))
+        if self.memory.trace is not None:
+            self.memory.trace.mark()
 
     def track_existing(self, tensors: Sequence[torch.Tensor], category: str) -> None:
         """Count tensors that exist before the step (parameters, optimizer state, inputs) under ``category``."""
@@ -256,15 +256,25 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         new_bytes = 0
         keys = []
         sizes = self.output_bytes(func, args, kwargs) if self.output_bytes is not None else {}
+        # The trace names the forward op that makes a storage (a plan recomputes it), asked only when one is made:
+        # asking settles held-back views (op_graph.OpGraph), which must wait for the op that makes storage.
+        trace = self.memory.trace if self.phase == "forward" and not is_sac_ignored(func) else None
         for i, t in enumerate(outputs):
             st = t.untyped_storage()
             added = not self.memory.is_live(st)
+            if added and trace is not None:
+                trace.op = len(self.graph.ops)
             new_bytes += self._track(st, category, sizes.get(i))
             if added:
                 self._producer[id(st)] = len(self.graph.ops)
             keys.append(self._key(st))
         if self.workspace is not None:
-            self.memory.transient(self.workspace(func, args, kwargs, out))
+            workspace = self.workspace(func, args, kwargs, out)
+            if workspace > 0 and trace is not None:
+                trace.op = len(self.graph.ops)
+            self.memory.transient(workspace)
+        if trace is not None:
+            trace.op = -1
         if self.phase == "forward" and is_sac_ignored(func):
             self.graph.pass_through(inputs, outputs)
         elif self.phase == "forward":

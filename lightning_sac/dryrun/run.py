@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.dryrun.cuda.trace import replay
 from lightning_sac.dryrun.data import ModelProfile
 from lightning_sac.dryrun.recorded_step import StepSpec, host_step_params, optimizer_state, record_step
 from lightning_sac.dryrun.step import input_signature, loop_signature
@@ -65,6 +66,7 @@ def dry_run(
         )
 
     memory = recorder.memory
+    trace = None if memory.trace is None else memory.trace.trace
     profile = ModelProfile(
         device=spec,
         estimate=estimate,
@@ -74,7 +76,7 @@ def dry_run(
         backward_pre_order=recorder.orders["bwd_pre"],
         backward_post_order=recorder.orders["bwd_post"],
         peak_bytes=memory.peak.peak_total,
-        reserved_peak_bytes=0 if memory.allocator is None else memory.allocator.peak_reserved,
+        reserved_peak_bytes=0 if trace is None else replay(trace.events, trace.sizes, trace.config).reserved,
         peak_breakdown=memory.peak.peak_snapshot,
         peak_location=memory.peak_location,
         forward_ms=recorder.phase_ms["forward"],
@@ -91,6 +93,7 @@ def dry_run(
         placeholders=run.placeholders,
         routing=run.routing,
         sharded=sharded_layout(model, wrapper),
+        allocations=trace,
     )
     if run.caches.switched_off:
         # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or

@@ -14,9 +14,9 @@ below). Besides them the device holds:
   autograd's device thread's, so two of them (both in ``max_memory_allocated``);
 * the allocator's fragmentation: the caching allocator reserves whole segments and keeps them, so what it holds
   (``max_memory_reserved``) exceeds what tensors use. Its model (:mod:`lightning_sac.dryrun.cuda.allocator`)
-  replays the dry run's allocations and frees; the difference between its peak reserved and peak allocated bytes
-  for the step without a plan is kept for the planned step too (a plan frees activations earlier and recomputes
-  them in smaller pieces, which fragments no more in the cases measured; the GPU suite checks it).
+  replays the dry run's allocations and frees as the plan changes them (:mod:`lightning_sac.plan.fragmentation`):
+  the planned step's reserved peak less its tensors' peak, which the solver finds together with the plan, since
+  each depends on the other (:func:`~lightning_sac.solver.solve_plan`).
 
 The planner keeps the tensors' peak within ``budget - reserve``. The CPU target has no reserve: there the budget
 bounds the tensors' peak, as torch.profiler's allocator events measure it.
@@ -82,17 +82,22 @@ class DeviceReserve:
         }
 
 
-def device_reserve(profile: ModelProfile, world_size: int = 1) -> DeviceReserve:
+def device_reserve(profile: ModelProfile, world_size: int = 1, fragmentation_bytes: int | None = None) -> DeviceReserve:
     """The reserve of a step profiled for ``profile.device`` on ``world_size`` processes.
 
     Args:
         profile: The step's profile; its device's figures and its allocator model's peaks are read.
         world_size: Processes the step runs on; NCCL's buffers count from two.
+        fragmentation_bytes: The fragmentation of the step as planned
+            (:class:`~lightning_sac.plan.fragmentation.StepFragmentation`); default the profiled step's, its
+            allocator model's reserved peak less its tensors' peak.
     """
     spec = profile.device
     if not spec.is_cuda:
         return DeviceReserve()
-    fragmentation = max(0, profile.reserved_peak_bytes - profile.peak_bytes) if profile.reserved_peak_bytes else 0
+    fragmentation = fragmentation_bytes
+    if fragmentation is None:
+        fragmentation = max(0, profile.reserved_peak_bytes - profile.peak_bytes) if profile.reserved_peak_bytes else 0
     return DeviceReserve(
         context_bytes=spec.context_bytes,
         nccl_bytes=spec.nccl_bytes if world_size > 1 else 0,

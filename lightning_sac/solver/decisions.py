@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
+from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy
 from lightning_sac.solver.masks import masked_view, realize
-from lightning_sac.solver.memory_model import MemoryConstraint, peak_with_plan
+from lightning_sac.solver.memory_model import MemoryConstraint, constant_floor, peak_with_plan
 from lightning_sac.solver.recompute import (
     overhead_ms,
     recompute_ms,
@@ -16,9 +19,10 @@ from lightning_sac.solver.recompute import (
     skipped_ops,
     whole_overhead_ms,
 )
+from lightning_sac.solver.rows import MIB, add_candidates, memory_rows
 from lightning_sac.solver.tradeoff import effective_memory
 
-__all__ = ["plan_decisions", "plan_peak", "whole_costs"]
+__all__ = ["lowest_plan", "plan_decisions", "plan_peak", "whole_costs"]
 
 
 def whole_costs(
@@ -94,3 +98,47 @@ def plan_decisions(
             masked_ops=masked,
         )
     return decisions
+
+
+def _minimum_peak(
+    cands: list[Candidate], constraints: list[MemoryConstraint], bound: bool = True
+) -> tuple[float, dict[str, float]]:
+    """The lowest peak the MILP's figures reach, bytes, and the discard ratio of each candidate that plan checkpoints.
+
+    A MILP minimizing the peak instead of the recompute.
+    """
+    h = new_highs(time_limit_s=30.0, mip_gap=1e-6)
+    y, r, _ = add_candidates(h, cands)
+    peak = h.addVariable(lb=0.0)
+    constant = constant_floor(constraints)
+    h.addConstr(peak >= constant / MIB)
+    memory_rows(h, cands, constraints, y, r, peak, bound=bound)
+    h.minimize(peak)
+    return h.val(peak) * MIB, {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
+
+
+def lowest_plan(
+    profile: ModelProfile,
+    cands: list[Candidate],
+    constraints: list[MemoryConstraint],
+    backend: str,
+    per_op_us: list[float],
+    measured: dict[str, list[float] | None],
+    masks: bool,
+    fragmentation: Callable[[dict[str, ModuleDecision], int], int] | None = None,
+) -> tuple[dict[str, ModuleDecision], int, int]:
+    """The plan of the least memory of the lowest-peak MILPs (lines and bounds), by its policies' own figures.
+
+    Returns its decisions, its tensors' peak and its fragmentation (``fragmentation(decisions, peak)``, default 0):
+    the plan whose sum of the two is the least.
+    """
+    best: tuple[dict[str, ModuleDecision], int, int] | None = None
+    for bound in (False, True):
+        _, lowest = _minimum_peak(cands, constraints, bound=bound)
+        decisions = plan_decisions(profile, cands, lowest, backend, per_op_us, measured, masks)
+        peak = plan_peak(profile, constraints, decisions, backend)
+        frag = 0 if fragmentation is None else fragmentation(decisions, peak)
+        if best is None or peak + frag < best[1] + best[2]:
+            best = (decisions, peak, frag)
+    assert best is not None
+    return best

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import highspy
@@ -11,14 +12,14 @@ import highspy
 from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.dryrun import ModelProfile, profile_fingerprint, routing_bound_bytes
 from lightning_sac.errors import BudgetError
-from lightning_sac.plan import ModuleDecision, Plan, check_backend, device_reserve
+from lightning_sac.plan import ModuleDecision, Plan, StepFragmentation, check_backend, device_reserve
 from lightning_sac.solver.candidates import (
     Candidate,
     find_candidates,
     more_candidates_hint,
     op_stats,
 )
-from lightning_sac.solver.decisions import plan_decisions, plan_peak, whole_costs
+from lightning_sac.solver.decisions import lowest_plan, plan_decisions, plan_peak, whole_costs
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.masks import mask_fixed_ms, mask_unit
 from lightning_sac.solver.memory_model import (
@@ -42,44 +43,11 @@ _MARGIN_MIB = 1 / 1024
 REFINE_CANDIDATES = 64
 # How often a plan whose own figures exceed the budget is solved again under a lower limit.
 _TIGHTEN_ROUNDS = 3
-
-
-def _minimum_peak(
-    cands: list[Candidate], constraints: list[MemoryConstraint], bound: bool = True
-) -> tuple[float, dict[str, float]]:
-    """The lowest peak the MILP's figures reach, bytes, and the discard ratio of each candidate that plan checkpoints.
-
-    A MILP minimizing the peak instead of the recompute.
-    """
-    h = new_highs(time_limit_s=30.0, mip_gap=1e-6)
-    y, r, _ = add_candidates(h, cands)
-    peak = h.addVariable(lb=0.0)
-    constant = constant_floor(constraints)
-    h.addConstr(peak >= constant / _MIB)
-    memory_rows(h, cands, constraints, y, r, peak, bound=bound)
-    h.minimize(peak)
-    return h.val(peak) * _MIB, {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
-
-
-def _lowest_plan(
-    profile: ModelProfile,
-    cands: list[Candidate],
-    constraints: list[MemoryConstraint],
-    backend: str,
-    per_op_us: list[float],
-    measured: dict[str, list[float] | None],
-    masks: bool,
-) -> tuple[dict[str, ModuleDecision], int]:
-    """The plan of the lowest peak by its policies' own figures, of the lowest-peak MILPs (lines and bounds)."""
-    best: tuple[dict[str, ModuleDecision], int] | None = None
-    for bound in (False, True):
-        _, lowest = _minimum_peak(cands, constraints, bound=bound)
-        decisions = plan_decisions(profile, cands, lowest, backend, per_op_us, measured, masks)
-        peak = plan_peak(profile, constraints, decisions, backend)
-        if best is None or peak < best[1]:
-            best = (decisions, peak)
-    assert best is not None
-    return best
+# How often the plan is solved again with the fragmentation its own allocations replay to, and how much of the room
+# an estimate must exceed a kept plan's own fragmentation by for another solve (replays vary by tens of percent
+# between near-equal plans: a smaller excess buys little recompute for a whole MILP).
+_FRAGMENTATION_ROUNDS = 3
+_RESOLVE_SHARE = 0.02
 
 
 def solve_plan(
@@ -102,7 +70,11 @@ def solve_plan(
     ``budget_gb`` GiB, counting parameters, gradients and optimizer state (divided by ``world_size`` when
     sharded) and activations, activation gradients and temporaries at every module boundary (see
     :mod:`lightning_sac.solver.memory_model`). A module is never checkpointed together with an ancestor or
-    descendant. Each chosen module's discard ratio becomes an exact op policy (:func:`optimal_op_policy`).
+    descendant. Each chosen module's discard ratio becomes an exact op policy (:func:`optimal_op_policy`). On a
+    CUDA target the budget also holds the device's reserve (:mod:`lightning_sac.plan.reserve`), whose fragmentation
+    is the planned step's own (:mod:`lightning_sac.plan.fragmentation`): the plan is solved with an estimate, its
+    allocations replayed, and solved again with its own figure, a few rounds; only a plan whose tensors and own
+    fragmentation fit is kept.
 
     Args:
         profile: Profile of the training step on the target device.
@@ -136,14 +108,16 @@ def solve_plan(
     args = (world_size, sharding, candidates, time_limit_s, mip_gap, backend)
     maskable = any(mask_unit(m.op_stats) for m in profile.modules.values() if m.op_stats)
     masks = masks and backend == "sac" and sac_sees_outputs() and maskable
-    plan, n_candidates = _solve(profile, budget_gb, n_segments, *args, masks)
+    # One replay per plan, shared by the solves below (lightning_sac.plan.fragmentation).
+    fragmentation = StepFragmentation(profile, world_size, sharding)
+    plan, n_candidates = _solve(profile, budget_gb, n_segments, *args, masks, fragmentation)
     if plan.decisions:
         fits = [n_segments, n_segments + 1] if refine and n_candidates <= REFINE_CANDIDATES else [n_segments]
         # A masked random unit still reruns the ops around its draws; where keeping the noise itself is cheap, a
         # plan without masks can be the faster one.
         tries = [(n, m) for m in dict.fromkeys((masks, False)) for n in fits][1:]
         for n, m in tries:
-            other, _ = _solve(profile, budget_gb, n, *args, m)
+            other, _ = _solve(profile, budget_gb, n, *args, m, fragmentation)
             if other.predicted_step_ms < plan.predicted_step_ms:
                 plan = other
     if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (dryrun/values/moe_routing.py)
@@ -153,6 +127,65 @@ def solve_plan(
         plan.routing_bound_bytes = routing_bound_bytes(profile.routing, activation, policies)
     plan.solver_seconds = time.perf_counter() - start
     return plan
+
+
+@dataclass
+class _Search:
+    """The MILP at the least recompute for a bound on the tensors' peak, with each chosen policy checked."""
+
+    profile: ModelProfile
+    cands: list[Candidate]
+    constraints: list[MemoryConstraint]
+    backend: str
+    per_op_us: list[float]
+    measured: dict[str, list[float] | None]
+    masks: bool
+    fixed_ms: dict[str, float]
+    factor: dict[str, float]
+    whole_ms: dict[str, float]
+    time_limit_s: float = 30.0
+    mip_gap: float = 1e-2
+
+    def __call__(self, budget: int) -> tuple[dict[str, ModuleDecision], int, str, float] | None:
+        """The decisions, their tensors' peak, HiGHS's status and gap; ``None`` when no plan fits ``budget`` bytes.
+
+        First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
+        holds), then with the all-recompute figure; each solved again with its limit lowered by what the chosen
+        policies' own figures exceeded the budget by (a line is an estimate).
+        """
+        cands, constraints = self.cands, self.constraints
+        limit = budget / _MIB - _MARGIN_MIB
+        if constant_floor(constraints) > budget:
+            return None
+        for bound in (False, True):
+            tighten = 0.0
+            for _ in range(_TIGHTEN_ROUNDS):
+                h = new_highs(time_limit_s=self.time_limit_s, mip_gap=self.mip_gap)
+                y, r, rc = add_candidates(h, cands, self.fixed_ms, self.factor, self.whole_ms)
+                memory_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
+                h.minimize(h.qsum(rc))
+                status = h.getModelStatus()
+                if status == highspy.HighsModelStatus.kInfeasible:
+                    break
+                if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+                    raise RuntimeError(f"HiGHS could not solve the plan: {h.modelStatusToString(status)}.")
+                if h.getInfo().primal_solution_status == 0:
+                    raise RuntimeError(
+                        f"HiGHS found no plan within time_limit_s={self.time_limit_s}; raise the time limit."
+                    )
+                chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
+                decisions = plan_decisions(
+                    self.profile, cands, chosen, self.backend, self.per_op_us, self.measured, self.masks
+                )
+                peak = plan_peak(self.profile, constraints, decisions, self.backend)
+                if peak <= budget:
+                    return decisions, peak, h.modelStatusToString(status), float(h.getInfo().mip_gap)
+                tighten += (peak - budget) / _MIB + _MARGIN_MIB
+        return None
+
+
+def _added_ms(decisions: dict[str, ModuleDecision]) -> float:
+    return sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
 
 
 def _solve(
@@ -166,6 +199,7 @@ def _solve(
     mip_gap: float,
     backend: str,
     masks: bool,
+    fragmentation: StepFragmentation,
 ) -> tuple[Plan, int]:
     """One solve of :func:`solve_plan` with ``n_segments`` lines per trade-off fit; the plan and the candidates."""
     start = time.perf_counter()
@@ -176,9 +210,10 @@ def _solve(
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
     if not budget_gb > 0:
         raise ValueError(f"budget_gb must be positive, got {budget_gb}.")
-    reserve = device_reserve(profile, world_size)
-    # The step's tensors get what the device holds for nothing else (see lightning_sac.plan.reserve).
-    budget = int(budget_gb * _GIB) - reserve.total
+    base = device_reserve(profile, world_size, fragmentation_bytes=0)
+    # The step's tensors and the allocator's fragmentation get what the device holds for nothing else (see
+    # lightning_sac.plan.reserve); the fragmentation depends on the plan (lightning_sac.plan.fragmentation).
+    room = int(budget_gb * _GIB) - base.total
     cands = find_candidates(profile, candidates, n_segments, backend, masks)
     windows = {c.fqn: c.window for c in cands}
     constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
@@ -187,9 +222,10 @@ def _solve(
     plain = unconstrained
     if profile.kv_cache_peak is not None:
         plain = device_model(profile, world_size, sharding)(0, profile.kv_cache_peak)
+    frag = plain_frag = fragmentation({}, room - plain)
     plan = Plan(
         budget_bytes=int(budget_gb * _GIB),
-        reserve=reserve.to_dict() if reserve.total else {},
+        reserve=_reserve(profile, world_size, frag),
         world_size=world_size,
         sharding=sharding,
         device=profile.device.name,
@@ -201,13 +237,15 @@ def _solve(
         fingerprint=profile_fingerprint(profile),
         replaces_checkpointing=list(profile.replaced_checkpointing),
     )
-    if plain <= budget:
+    if plain + frag <= room:
         plan.solver_seconds = time.perf_counter() - start
         return plan, len(cands)
     # From here on the plan runs the model as profiled: without KV caches in training.
     plan.kv_cache_off = bool(profile.kv_cache_off)
     plan.predicted_peak_bytes = unconstrained
-    if unconstrained <= budget:
+    frag = fragmentation({}, room - unconstrained)
+    plan.reserve = _reserve(profile, world_size, frag)
+    if unconstrained + frag <= room:
         plan.solver_seconds = time.perf_counter() - start
         return plan, len(cands)  # switching the caches off is enough
 
@@ -220,65 +258,80 @@ def _solve(
         for c in cands:
             fixed_ms[c.fqn] += factor.get(c.fqn, 1.0) * mask_fixed_ms(op_stats(profile, c.fqn), backend)
     whole_ms = whole_costs(profile, cands, backend, measured)
-    limit = budget / _MIB - _MARGIN_MIB
-    # First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
-    # holds), then with the all-recompute figure; each solved again with its limit lowered by what the chosen
-    # policies' own figures exceeded the budget by (a line is an estimate). When none fits, the plan of the
-    # lowest peak, if its own figures fit.
-    status_text, gap = "", 0.0
-    for bound in (False, True):
-        tighten = 0.0
-        for _ in range(_TIGHTEN_ROUNDS):
-            h = new_highs(time_limit_s=time_limit_s, mip_gap=mip_gap)
-            y, r, rc = add_candidates(h, cands, fixed_ms, factor, whole_ms)
-            status = highspy.HighsModelStatus.kInfeasible
-            if constant_floor(constraints) <= budget:
-                memory_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
-                h.minimize(h.qsum(rc))
-                status = h.getModelStatus()
-            if status == highspy.HighsModelStatus.kInfeasible:
-                break
-            if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
-                raise RuntimeError(f"HiGHS could not solve the plan: {h.modelStatusToString(status)}.")
-            if h.getInfo().primal_solution_status == 0:
-                raise RuntimeError(f"HiGHS found no plan within time_limit_s={time_limit_s}; raise the time limit.")
-            chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
-            decisions = plan_decisions(profile, cands, chosen, backend, per_op_us, measured, masks)
-            peak = plan_peak(profile, constraints, decisions, backend)
-            if peak <= budget:
-                plan.decisions, plan.predicted_peak_bytes = decisions, peak
-                status_text, gap = h.modelStatusToString(status), float(h.getInfo().mip_gap)
-                break
-            tighten += (peak - budget) / _MIB + _MARGIN_MIB
-        if status_text:
+    search = _Search(profile, cands, constraints, backend, per_op_us, measured, masks, fixed_ms, factor, whole_ms)
+    search.time_limit_s, search.mip_gap = time_limit_s, mip_gap
+    # The tensors' budget depends on the fragmentation and the fragmentation on the plan: solve with an estimate
+    # (first the plain step's), replay the plan's own and solve again with it, a few rounds. A plan is kept only
+    # when its tensors and its own fragmentation fit; until one does, the estimate only grows.
+    kept: tuple[tuple[dict[str, ModuleDecision], int, str, float], int] | None = None
+    tried: list[int] = []
+    for _ in range(_FRAGMENTATION_ROUNDS):
+        tried.append(frag)
+        found = search(room - frag)
+        if found is None:
             break
-    if not status_text:
-        decisions, peak = _lowest_plan(profile, cands, constraints, backend, per_op_us, measured, masks)
-        if peak > budget:
-            kept = (
-                f" (the tensors' {peak / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
-                f"besides: {reserve.describe()})"
-            )
-            raise BudgetError(
-                f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
-                f"{(peak + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
-                f"peak is {(plain + reserve.total) / _GIB:.3f} GiB on {profile.device.name}, world size "
-                f"{world_size}, {sharding}). Raise the budget, use a smaller "
-                "batch or shorter sequences, "
-                + (
-                    "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
-                    if sharding == "replicated"
-                    else f"shard them over more devices (world_size above {world_size})"
-                )
-                + more_candidates_hint(profile),
-                minimum_bytes=peak + reserve.total,
-                unconstrained_bytes=plain + reserve.total,
-            )
-        plan.decisions, plan.predicted_peak_bytes = decisions, peak
-        status_text, gap = "Optimal (lowest peak)", 0.0
+        own = fragmentation(found[0], room - found[1])
+        if found[1] + own <= room and (kept is None or _added_ms(found[0]) < _added_ms(kept[0][0])):
+            kept = (found, own)
+        if own in tried or (kept is not None and frag - own <= _RESOLVE_SHARE * room):
+            break
+        frag = own
+    if kept is None:
+        # No plan of the MILP's fits: the plan of the least memory, if it does; a cheaper one at its fragmentation.
+        lowest = lowest_plan(
+            profile, cands, constraints, backend, per_op_us, measured, masks, lambda d, p: fragmentation(d, room - p)
+        )
+        decisions, peak, own = lowest
+        if peak + own > room:
+            raise _budget_error(profile, budget_gb, world_size, sharding, peak, plain, own, plain_frag)
+        kept = ((decisions, peak, "Optimal (lowest peak)", 0.0), own)
+        found = search(room - own) if own not in tried else None
+        if found is not None and found[1] + (again := fragmentation(found[0], room - found[1])) <= room:
+            kept = (found, again)
+    (decisions, peak, status_text, gap), own = kept
+    plan.decisions, plan.predicted_peak_bytes, plan.reserve = decisions, peak, _reserve(profile, world_size, own)
     plan.predicted_recompute_ms = sum(d.recompute_ms for d in plan.decisions.values())
     plan.predicted_overhead_ms = sum(d.overhead_ms for d in plan.decisions.values())
     plan.predicted_step_ms = profile.step_ms + plan.predicted_recompute_ms + plan.predicted_overhead_ms
     plan.solver_status, plan.solver_gap = status_text, gap
     plan.solver_seconds = time.perf_counter() - start
     return plan, len(cands)
+
+
+def _reserve(profile: ModelProfile, world_size: int, fragmentation: int) -> dict[str, int]:
+    reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
+    return reserve.to_dict() if reserve.total else {}
+
+
+def _budget_error(
+    profile: ModelProfile,
+    budget_gb: float,
+    world_size: int,
+    sharding: str,
+    peak: int,
+    plain: int,
+    fragmentation: int,
+    plain_fragmentation: int,
+) -> BudgetError:
+    """The error for a budget below the least-memory plan: its tensors, and its own reserve with its fragmentation."""
+    reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
+    plain_reserve = device_reserve(profile, world_size, fragmentation_bytes=plain_fragmentation)
+    kept = (
+        f" (the tensors' {peak / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
+        f"besides: {reserve.describe()})"
+    )
+    return BudgetError(
+        f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
+        f"{(peak + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
+        f"peak is {(plain + plain_reserve.total) / _GIB:.3f} GiB on {profile.device.name}, world size "
+        f"{world_size}, {sharding}). Raise the budget, use a smaller "
+        "batch or shorter sequences, "
+        + (
+            "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
+            if sharding == "replicated"
+            else f"shard them over more devices (world_size above {world_size})"
+        )
+        + more_candidates_hint(profile),
+        minimum_bytes=peak + reserve.total,
+        unconstrained_bytes=plain + plain_reserve.total,
+    )

@@ -114,6 +114,8 @@ class ModuleHooks:
             st.snapshots["pre_forward"] = self.memory.snapshot()
             st.fwd_watch = self.memory.open_watch()
             st.op_start = len(self.graph.ops)
+            if self.memory.trace is not None:
+                self.memory.trace.trace.module_ops[fqn] = st.op_start
             st.pack_start = len(self.graph.packs)
             # Backward of this module is over once autograd has the gradients of its inputs, or, when no
             # input needs one (token ids), of its parameters.

@@ -30,7 +30,7 @@ GIB = 2**30
         (dict(budget_gb=True), TypeError, r"budget_gb must be .*got True \(bool\)"),
         (dict(budget_fraction=1.5), ValueError, r"budget_fraction must be a number in \(0, 1\].*got 1.5"),
         (dict(budget_fraction=math.nan), ValueError, r"budget_fraction must be a number in \(0, 1\].*got nan"),
-        (dict(budget_gb=1, device="H900"), ValueError, r"device='H900' is not a known device"),
+        (dict(budget_gb=1, device="H900"), ValueError, r"device='H900': Unknown device 'H900'"),
         (dict(budget_gb=1, device=3), TypeError, r"device must be a device name \(str\), a DeviceSpec or None"),
         (dict(budget_gb=1, estimate="guess"), ValueError, r"estimate must be one of \('roofline', 'benchmark'\)"),
         (dict(budget_gb=1, backend="magic"), ValueError, r"backend must be one of"),

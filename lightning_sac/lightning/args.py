@@ -75,7 +75,7 @@ def _check_device(device: object) -> None:
     try:
         get_device_spec(device)
     except ValueError as err:
-        raise ValueError(f"AutoSAC: device={device!r} is not a known device. {err}") from err
+        raise ValueError(f"AutoSAC: device={device!r}: {err}") from err
 
 
 def _check_candidates(candidates: object) -> None:

@@ -103,6 +103,22 @@ class LiveMemory:
         self.current[category] -= nbytes
         self.total -= nbytes
 
+    def hold(self, nbytes: int, category: str = "other") -> None:
+        """Count ``nbytes`` that no storage of the step stands for, from now until the step ends.
+
+        What code outside the dispatcher keeps (a torchmetrics state grown by ``update``, measured on a real copy
+        of the metric): there is no tensor whose death would free it, and the step does not free it either.
+        """
+        if nbytes <= 0:
+            return
+        nbytes = self._round(nbytes)
+        if self.allocator is not None:
+            self.allocator.malloc(self._blocks, nbytes)  # a block of its own, never freed in the step
+        self._blocks += 1
+        self.current[category] += nbytes
+        self.total += nbytes
+        self._update_peaks()
+
     def recategorize(self, storage: torch.UntypedStorage, category: str) -> None:
         """Move a live storage to another category (a gradient once it lands in ``.grad``)."""
         key = id(storage)

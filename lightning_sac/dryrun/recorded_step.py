@@ -257,6 +257,7 @@ def record_step(
             output_bytes=cpu_output_bytes if cpu else None,
             is_real=real_values.is_real,
         )
+        placeholders.allocated = recorder.allocated_outside_ops  # a metric's call, measured on a real copy
         try:
             recorder.track_existing(params, "parameter")
             recorder.track_existing(list(fmodel.buffers()), "buffer")

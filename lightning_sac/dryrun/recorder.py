@@ -162,6 +162,16 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         # recorder, kept with its RecordedStep, must not hold them into training (they count in the real step).
         self.is_real = None
 
+    def allocated_outside_ops(self, peak_bytes: int, kept_bytes: int) -> None:
+        """Count memory that code the dispatcher does not see allocates at this point of the step.
+
+        A torchmetrics metric's call on the fake copy is a stand-in (:mod:`~lightning_sac.dryrun.values.
+        placeholders`) measured on a real copy of the metric: its allocations rose ``peak_bytes`` above what was
+        live before it, and it left ``kept_bytes`` of them alive (grown states), which stay to the end of the step.
+        """
+        self.memory.hold(kept_bytes)
+        self.memory.transient(peak_bytes - kept_bytes)
+
     # ----------------------------------------------------------------- memory helpers
     def _track(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> int:
         if self.memory.is_live(storage):

@@ -17,8 +17,9 @@ the others:
   ``compute``) does not run: its validation and its dynamic-shape ops (``unique``, ``bincount``) cannot run on
   fake predictions, and its states must not take fake values. ``update`` does nothing; ``forward`` and
   ``compute`` return a fake 0-d float tensor (reading it is a placeholder again). The user's metrics are never
-  touched: the dry run works on a copy of the module, whose metric states are copies. What a metric's
-  internals allocate is not counted: a few small tensors for metrics of (batch, classes) predictions.
+  touched: the dry run works on a copy of the module, whose metric states are copies. What the call allocates
+  is measured on a real copy of the metric (:mod:`~lightning_sac.dryrun.values.metric_memory`) and counted at
+  the call: its peak as a transient, the states it grew and the arguments they keep until the step ends.
 
 Why metric calls and not, in general, every dynamic-output-shape op on fake values outside autograd: such an op
 (``nonzero`` of a router's mask, ``unique`` of selected experts) often decides which rows the gradient-carrying
@@ -47,7 +48,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -56,14 +57,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from lightning_sac.dryrun.values.metric_memory import metric_memory
 from lightning_sac.errors import _machinery
 
 __all__ = [
     "HEALTHY",
     "METRIC_METHODS",
     "OTHER",
+    "UNMEASURED",
     "Placeholders",
     "placeholder_message",
     "placeholder_value",
@@ -78,6 +82,8 @@ OTHER = "other"
 METRIC_METHODS: tuple[str, ...] = ("forward", "update", "compute")
 
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+#: A metric call's site value when its allocations could not be measured (:mod:`metric_memory`), so not counted.
+UNMEASURED = "its allocations not measured (the call fails on zeros of its inputs' shapes)"
 
 
 def _torchmetrics() -> Any:
@@ -155,6 +161,9 @@ class Placeholders:
         model: The fake copy of the model the dry run steps.
 
     Attributes:
+        allocated: Where a metric call's measured memory is counted (the recorder's
+            :meth:`~lightning_sac.dryrun.recorder.StepRecorder.allocated_outside_ops`, set while it records):
+            ``allocated(peak_bytes, kept_bytes)``. ``None``: not counted (the unrecorded warm-up).
         sites: One dict per place a stand-in was used, in the order first used: ``kind`` (``"scalar"`` or
             ``"metric"``), ``op`` (``"aten._local_scalar_dense.default"``, ``"MulticlassAccuracy.update"``),
             ``module`` (fqn of the module whose code made the read, or of the metric; ``""`` is the root),
@@ -167,7 +176,9 @@ class Placeholders:
         self.sites: list[dict[str, Any]] = []
         self._choice.sites = self.sites
         self._seen: set[tuple[str, str, str, str]] = set()
-        self._saved: list[tuple[nn.Module, str, Any]] = []
+        self.allocated: Callable[[int, int], None] | None = None
+        self._saved: list[tuple[nn.Module, str, Any, Any]] = []  # metric, method, its own, the stand-in
+        self._kept: list[torch.Tensor] = []  # fake arguments a metric's states keep, as they keep the real ones
         # The modules whose forward is running, innermost last: a read's module. Hooks, not the Python stack:
         # reading a frame's locals would keep its tensors alive after the code drops them.
         self._running: list[str] = []
@@ -182,20 +193,27 @@ class Placeholders:
                 for name in METRIC_METHODS:
                     # ``update`` and ``compute`` are already instance attributes (torchmetrics wraps them in
                     # ``__init__``); ``forward`` is the class's. Either way the copy's own dict is what changes.
-                    self._saved.append((module, name, module.__dict__.get(name)))
-                    module.__dict__[name] = self._metric_stand_in(fqn, module, name)
+                    own = module.__dict__.get(name)
+                    self._saved.append((module, name, own, self._metric_stand_in(fqn, module, name)))
+        self._swap(stand_ins=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module, name, own in reversed(self._saved):
-            if own is None:
+        self._swap(stand_ins=False)
+        self._saved.clear()
+        self._kept.clear()
+
+    def _swap(self, stand_ins: bool) -> None:
+        """Give every metric the dry run's stand-ins, or its own methods back."""
+        for module, name, own, stand_in in reversed(self._saved):
+            method = stand_in if stand_ins else own
+            if method is None:
                 module.__dict__.pop(name, None)
             else:
-                module.__dict__[name] = own
-        self._saved.clear()
+                module.__dict__[name] = method
 
     def scalar(self, func: Any, tensor: torch.Tensor) -> bool | int | float | complex:
         """Record a scalar read of the fake ``tensor`` by ``func`` and return its stand-in."""
@@ -245,13 +263,30 @@ class Placeholders:
         op = f"{type(metric).__name__}.{name}"
 
         def stand_in(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+            measured = self._count_metric_call(metric, name, args, kwargs)
             if name == "update":
-                self._record("metric", op, fqn, "not run")
+                self._record("metric", op, fqn, f"not run; {measured}")
                 return None
-            self._record("metric", op, fqn, "a fake 0-d tensor")
+            self._record("metric", op, fqn, f"a fake 0-d tensor; {measured}")
             return self._fake_scalar(args, kwargs)
 
         return stand_in
+
+    def _count_metric_call(self, metric: nn.Module, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """Count what the call allocates, measured on a real copy of ``metric``; say what was counted."""
+        # The copy is made with torchmetrics' own methods, for the metrics inside it too (a wrapper's).
+        self._swap(stand_ins=False)
+        try:
+            measured = metric_memory(metric, name, args, kwargs)
+        finally:
+            self._swap(stand_ins=True)
+        if measured is None:
+            return UNMEASURED
+        if self.allocated is not None:  # the recorded step (the warm-up before it is not counted)
+            self.allocated(measured.peak_bytes, measured.kept_bytes)
+            flat = tree_flatten((args, kwargs))[0]
+            self._kept.extend(flat[i] for i in measured.kept_args)
+        return f"allocates {measured.peak_bytes / 2**20:.2f} MiB at its peak (measured on a CPU copy)"
 
     def _fake_scalar(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         """A 0-d float tensor of unknown value: made from a fake tensor, so that ops on it stay fake.
@@ -276,15 +311,19 @@ def placeholder_message(sites: list[dict[str, Any]]) -> str:
         "have (scalar reads of weight-derived values; arrays read on the host within host_read_stand_ins(); "
         "torchmetrics metrics, which it does not run):\n" + "\n".join(lines)
     )
-    if any(s["kind"] == "metric" for s in sites):
-        # Measured: MulticlassAccuracy(num_classes=128) on 512 predictions allocates 0.16 MB in update, and 143 MB
-        # with torch.use_deterministic_algorithms(True) (Trainer(deterministic=True)): torchmetrics' deterministic
-        # bincount builds an (N, C * C) matrix.
+    metrics = [s for s in sites if s["kind"] == "metric"]
+    unmeasured = [s["op"] for s in metrics if UNMEASURED in s["value"]]
+    if len(unmeasured) < len(metrics):
         text += (
-            "\nWhat these metrics allocate inside update is NOT counted in the plan. It is small as a rule, but "
-            "under Trainer(deterministic=True) torchmetrics' bincount builds an (N, num_classes**2) matrix (143 MB "
-            "for 512 predictions of 128 classes): leave that headroom in the budget, or update such metrics "
-            "outside training_step (e.g. in on_train_batch_end)."
+            "\nWhat each metric call allocates (torchmetrics' bincount of num_classes**2 bins, or an (N, "
+            "num_classes**2) matrix under Trainer(deterministic=True)) was measured on a copy of the metric on this "
+            "machine's CPU, on zeros of its inputs' shapes, and is in the plan; for a GPU it is an estimate, as "
+            "torchmetrics' CUDA path can differ."
+        )
+    if unmeasured:
+        text += (
+            f"\nWhat {', '.join(unmeasured)} allocate is NOT counted: the call fails on zeros of its inputs' shapes. "
+            "Leave that headroom in the budget, or update such metrics outside training_step (on_train_batch_end)."
         )
     if any(s["kind"] in ("scalar", "array") for s in sites):
         text += (

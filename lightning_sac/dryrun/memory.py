@@ -112,8 +112,8 @@ class LiveMemory:
         if nbytes <= 0:
             return
         nbytes = self._round(nbytes)
-        if self.allocator is not None:
-            self.allocator.malloc(self._blocks, nbytes)  # a block of its own, never freed in the step
+        if self.trace is not None:
+            self.trace.malloc(self._blocks, nbytes, category)  # a block of its own, never freed in the step
         self._blocks += 1
         self.current[category] += nbytes
         self.total += nbytes

@@ -37,13 +37,20 @@ def _no_panels_left_in_the_working_directory():  # noqa: ANN202
     assert existed or not logs.exists(), f"a test left {logs}: give its Trainer default_root_dir=tmp_path"
 
 
+# The mode the session started in: a module-scoped fixture's fit can turn it on before a test's own fixture runs.
+_SESSION_DETERMINISTIC = (
+    torch.are_deterministic_algorithms_enabled(),
+    torch.is_deterministic_algorithms_warn_only_enabled(),
+)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_mode_restored():  # noqa: ANN202
     # Trainer(deterministic=True) turns deterministic algorithms on for the process and never off; they pick some
     # kernels (cuDNN attention is refused under them), so each test starts from the mode the session started in.
-    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(_SESSION_DETERMINISTIC[0], warn_only=_SESSION_DETERMINISTIC[1])
     yield
-    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+    torch.use_deterministic_algorithms(_SESSION_DETERMINISTIC[0], warn_only=_SESSION_DETERMINISTIC[1])
 
 
 @dataclass

@@ -140,7 +140,8 @@ def test_whole_model_bar_is_the_peak_its_parts_add_up_to(profile, sharding, devi
     if device is not None:  # a CUDA plan: the budget keeps a reserve for the context, workspaces, fragmentation
         profile = gpt_profile(device)
         slack = solve_plan(profile, 80.0, world_size=WORLD, sharding=sharding)
-        budget = sum(slack.reserve.values()) + 0.75 * slack.unconstrained_peak_bytes
+        # 85% of the tensors: this GPT's floor on 4 replicated A100 ranks is about 76% of them.
+        budget = sum(slack.reserve.values()) + 0.85 * slack.unconstrained_peak_bytes
         plan = solve_plan(profile, budget / GIB, world_size=WORLD, sharding=sharding)
         assert plan.reserve and plan.decisions
     data = module_memory(profile, plan)

@@ -1,1 +1,1 @@
-"""The CPU target's kernels as the dry run counts them: oneDNN and RNN scratch, operand promotion."""
+"""The CPU target's kernels as the dry run counts them: oneDNN and RNN scratch measured per signature, promotion."""

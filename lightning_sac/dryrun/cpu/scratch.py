@@ -1,0 +1,211 @@
+"""Scratch the CPU's convolution, norm, resampling and pooling kernels allocate, measured on the kernel itself.
+
+A fake kernel makes an op's outputs and nothing else, but many CPU kernels allocate and free buffers inside the
+call: oneDNN reorders a convolution's operands into its blocked layouts (up to 5.3x the input for a contiguous
+input, a buffer of the output's size for a three-channel stem, almost nothing for a channels-last input), and norm,
+resampling and pooling kernels copy an operand of another layout into a contiguous one. These sizes depend
+on the kernel oneDNN picks for the shapes, layout, dtype and thread count, not on one formula, so they are taken
+from the kernel: the first call of each signature (op, shapes, strides, dtypes, every other argument, thread
+count) runs once on zero-filled real tensors of the same layout, and the allocator's events during the call give
+its peak beyond the outputs it returns. The answer is cached for the process, so a network of many identical
+blocks, a later dry run and a re-plan for another batch shape measure nothing twice. A plan reused from a
+checkpoint or ``plan_path`` needs no dry run, hence no measurement.
+
+The measurement runs outside the dry run's fake mode and every dispatch and function mode, without autograd or
+autocast, and draws no random numbers: the dry run, the model and the random stream see nothing of it. A signature
+whose operands would take more than :func:`probe_limit_bytes` (1 GiB, or a quarter of the host's free memory when
+that is less), or that arrives while a profiler is already recording, is not run: it is charged
+:func:`scratch_bound`, an upper bound of every signature measured above 4 MiB (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd import profiler_legacy
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["MEASURED_OPS", "KernelScratch", "kernel_scratch", "peak_beyond", "probe_limit_bytes", "scratch_bound"]
+
+aten = torch.ops.aten
+GIB = 2**30
+
+_CONVOLUTION = aten.convolution.default
+_CONVOLUTION_BACKWARD = aten.convolution_backward.default
+
+# The ops whose CPU kernel was measured to allocate beyond its outputs (torch 2.13, oneDNN, two threads; the
+# figures are in docs/benchmarks.md). Every other op is charged only its outputs, as its fake kernel makes them.
+MEASURED_OPS = frozenset(
+    {
+        _CONVOLUTION,  # oneDNN reorders: 0.5x to 1x input + output for contiguous inputs
+        _CONVOLUTION_BACKWARD,  # 1.0x input + grad_output for contiguous inputs, up to 2.7x for a 7x7/2 stem
+        aten.native_batch_norm_backward.default,  # up to 1x the input
+        aten.native_layer_norm.default,  # a contiguous copy of a permuted input (ConvNeXt's channels-last norm)
+        aten.native_layer_norm_backward.default,
+        aten._log_softmax.default,  # a contiguous copy of channels-last logits
+        aten.upsample_nearest2d.default,  # contiguous copies of input and output: 1.25x the output for 2x
+        aten.upsample_bilinear2d.default,
+        aten.im2col.default,
+        aten.max_pool2d_with_indices_backward.default,  # channels-last input, contiguous gradient: 1.5x the input
+        aten.avg_pool2d_backward.default,
+        aten._adaptive_avg_pool2d_backward.default,
+    }
+)
+
+
+def probe_limit_bytes() -> int:
+    """The most bytes of operands a measurement may allocate: 1 GiB, or a quarter of free host memory if less."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name: the fixed limit
+        return GIB
+    return min(GIB, free // 4)
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from the storage's start to the last element the tensor's strides reach (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (int(t.storage_offset()) + last + 1) * t.element_size()
+
+
+def _operand_bytes(*trees: Any) -> int:
+    return sum(_extent_bytes(t) for t in tree_flatten(trees)[0] if isinstance(t, torch.Tensor))
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _convolution_bound(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> int:
+    """Twice input, output and weight, plus im2col columns where oneDNN may not take the dtype."""
+    bound = 2 * (_nbytes(x) + _nbytes(y) + _nbytes(weight))
+    if x.dtype != torch.float32:
+        # PyTorch's own kernel (bf16 where the CPU lacks native support) unfolds the input into columns of up to
+        # the kernel's size times the larger operand: 9x the input for a 3x3 convolution.
+        bound += math.prod(weight.shape[2:]) * max(_nbytes(x), _nbytes(y))
+    return bound
+
+
+def scratch_bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """An upper bound of the scratch of a measured op's call, from its operands' sizes alone; allocates nothing.
+
+    A convolution (forward, or backward with its ``grad_output`` as the output) is charged twice its input, output
+    and weight, plus im2col columns of the kernel's size times the larger operand when the dtype is not float32;
+    every other op the bytes of its operands and outputs (a contiguous copy of each). Each bounds every signature
+    measured with more than 4 MiB of operands (docs/benchmarks.md), contiguous and channels-last: a contiguous 1x1
+    64->256 convolution's backward holds 1.0x input + grad_output, a 2x nearest upsample copies input and output.
+    """
+    if func is _CONVOLUTION:
+        return _convolution_bound(args[0], out, args[1])
+    if func is _CONVOLUTION_BACKWARD:
+        return _convolution_bound(args[1], args[0], args[2])
+    return _operand_bytes(args, kwargs, out)
+
+
+def peak_beyond(run: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``run()``: its result, and the peak of the allocations it makes beyond what it returns.
+
+    The allocator's events come from the autograd profiler's legacy CPU mode, whose start costs half a
+    millisecond; torch.profiler's first start in a process costs 1.5 s (Kineto's initialisation), more than the
+    dry run of a small conv net. Both report the same allocations (every op of the tests' conv nets compared).
+    """
+    torch.autograd._enable_profiler_legacy(profiler_legacy.profile(profile_memory=True).config())
+    try:
+        out = run()
+    finally:
+        records = torch.autograd._disable_profiler_legacy()
+    events = [e for thread in records for e in thread]
+    # In time order across threads; sorted() is stable, so a thread's events keep their order within a microsecond.
+    allocations = sorted(
+        ((events[0].cpu_elapsed_us(e), e.cpu_memory_usage()) for e in events if e.kind() == "memory_alloc"),
+        key=lambda event: event[0],
+    )
+    live = peak = 0
+    for _, nbytes in allocations:
+        live += nbytes
+        peak = max(peak, live)
+    kept = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return out, max(0, peak - kept)
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    return x
+
+
+def _zeros_like(x: Any) -> Any:
+    """A real zero-filled CPU tensor of the fake tensor's shape, strides, offset and dtype."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    base = torch.zeros(_extent_bytes(x) // x.element_size(), dtype=x.dtype)
+    return base.as_strided(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()))
+
+
+class KernelScratch:
+    """The scratch of :data:`MEASURED_OPS` calls, measured once per signature and cached.
+
+    Args:
+        limit_bytes: Operands above this many bytes are not allocated; ``None``: :func:`probe_limit_bytes`.
+
+    Attributes:
+        measured: How many signatures were run on the kernel.
+    """
+
+    def __init__(self, *, limit_bytes: int | None = None) -> None:
+        self.limit_bytes = limit_bytes
+        self.measured = 0
+        self._cache: dict[Any, int] = {}
+
+    def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int | None:
+        """Bytes ``func`` allocates and frees within this call on this CPU, or ``None`` if it is not measured."""
+        if func not in MEASURED_OPS:
+            return None
+        # oneDNN's per-thread buffers and its choice of kernel follow the thread count (a channels-last 1x1 expansion's
+        # backward holds nothing on one thread, 136 KiB on two, 1 MiB on sixteen), and PyTorch's choice of backend
+        # whether oneDNN is enabled: both are part of the signature, measured as the process runs now.
+        signature = (_signature(args), _signature(tuple(sorted(kwargs.items()))))
+        key = (func, signature, torch.get_num_threads(), torch.backends.mkldnn.enabled)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        limit = probe_limit_bytes() if self.limit_bytes is None else self.limit_bytes
+        # A second profiler cannot start while one records (a measured step of a fit): bound it, uncached.
+        if _operand_bytes(args, kwargs, out) > limit or torch.autograd._profiler_enabled():
+            return scratch_bound(func, args, kwargs, out)
+        try:
+            self._cache[key] = self._measure(func, args, kwargs)
+        except RuntimeError:
+            # Zeros are valid operands of every measured op; should a kernel still refuse them, the bound stands.
+            self._cache[key] = scratch_bound(func, args, kwargs, out)
+            return self._cache[key]
+        self.measured += 1
+        return self._cache[key]
+
+    @staticmethod
+    def _measure(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        # Outside every mode (the fake mode, the recorder's, the real values'), so the call is real and unseen;
+        # autocast off, so the kernel sees the dtypes the dry run recorded.
+        with (
+            _disable_current_modes(),
+            torch._C.DisableTorchFunction(),
+            torch.no_grad(),
+            torch.autocast("cpu", enabled=False),
+        ):
+            real_args, real_kwargs = tree_map(_zeros_like, (args, kwargs))
+            out, scratch = peak_beyond(lambda: func(*real_args, **real_kwargs))
+            del out
+        return scratch
+
+
+kernel_scratch = KernelScratch()
+"""The process's cache: every dry run on the CPU target measures through it."""

@@ -222,6 +222,7 @@ def test_input_spec_keeps_layout_not_tensors():
     assert grad_spec.materialize().requires_grad and grad_spec.materialize().is_leaf
 
 
+@pytest.mark.slow  # about 30 s of calibration runs: the quick tier's 5-minute bound
 def test_residual_blocks_whose_batch_norm_must_be_saved_are_measured():
     # A ResNet block's first BatchNorm writes running statistics and its output is no block output: every policy
     # saves it, so "recompute everything" (a budget of 0) has no policy. Such blocks were named in a warning as

@@ -192,6 +192,7 @@ def test_the_plain_prediction_is_within_2_percent_of_a_real_step(name):
     assert abs(predicted - ref.plain_peak) <= 0.02 * ref.plain_peak, (predicted, ref.plain_peak)
 
 
+@pytest.mark.slow  # six planned real steps and trainings: the plain predictions above are the quick check
 @pytest.mark.parametrize("backend", ["sac", "graph"])
 @pytest.mark.parametrize("name", ["convnext", "bottleneck_resnet", "channels_last"])
 def test_a_plan_at_80_percent_measures_within_2_percent_and_trains_as_the_plain_model(name, backend):

@@ -58,6 +58,11 @@ MEASURED_OPS = frozenset(
 )
 
 
+_COPIES_NON_CONTIGUOUS = frozenset(
+    {aten.native_layer_norm.default, aten.native_layer_norm_backward.default, aten._log_softmax.default}
+)
+
+
 def probe_limit_bytes() -> int:
     """The most bytes of operands a measurement may allocate: 1 GiB, or a quarter of free host memory if less."""
     try:
@@ -98,7 +103,8 @@ def scratch_bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out:
 
     A convolution (forward, or backward with its ``grad_output`` as the output) is charged twice its input, output
     and weight, plus im2col columns of the kernel's size times the larger operand when the dtype is not float32;
-    every other op the bytes of its operands and outputs (a contiguous copy of each). Each bounds every signature
+    layer norm and log-softmax a contiguous copy of each operand that is not contiguous; every other op the bytes
+    of its operands and outputs (a contiguous copy of each). Each bounds every signature
     measured with more than 4 MiB of operands (docs/benchmarks.md), contiguous and channels-last: a contiguous 1x1
     64->256 convolution's backward holds 1.0x input + grad_output, a 2x nearest upsample copies input and output.
     """
@@ -106,6 +112,11 @@ def scratch_bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out:
         return _convolution_bound(args[0], out, args[1])
     if func is _CONVOLUTION_BACKWARD:
         return _convolution_bound(args[1], args[0], args[2])
+    if func in _COPIES_NON_CONTIGUOUS:
+        # Their scratch is a contiguous copy of an operand that is not contiguous; contiguous, they hold none (a
+        # transformer's norms and log-softmax, exact before these ops were measured at all).
+        flat, _ = tree_flatten((args, kwargs))
+        return sum(_extent_bytes(t) for t in flat if isinstance(t, torch.Tensor) and not t.is_contiguous())
     return _operand_bytes(args, kwargs, out)
 
 

@@ -11,21 +11,19 @@ its prediction with the plain model's loss, gradients and buffers (the pattern o
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_real_models import Reference, measured_planned_peak, train_planned, two_steps
+from test_real_models import Reference, build_reference, measured_planned_peak, train_planned
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from zoo import Family, _quiet_transformers
 
-from lightning_sac import BudgetError, profile_model, solve_plan
+from lightning_sac import BudgetError, solve_plan
 from lightning_sac.dryrun.cpu.scratch import KernelScratch, peak_beyond, scratch_bound
-from lightning_sac.dryrun.measured import measure_training_step
 
 GIB = 2**30
 aten = torch.ops.aten
@@ -173,15 +171,7 @@ _REFERENCES: dict[str, Reference] = {}
 def reference(name: str) -> Reference:
     """The family's profile, its measured plain peak and two plain optimizer steps (as test_real_models builds)."""
     if name not in _REFERENCES:
-        family = FAMILIES[name]()
-        profile = profile_model(
-            family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
-        )
-        measured = measure_training_step(
-            copy.deepcopy(family.model), family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer
-        )
-        steps = two_steps(copy.deepcopy(family.model), family)
-        _REFERENCES[name] = Reference(family, profile, measured.peak_bytes, steps)
+        _REFERENCES[name] = build_reference(FAMILIES[name]())
     return _REFERENCES[name]
 
 

@@ -52,17 +52,20 @@ def two_steps(model: torch.nn.Module, family: Family) -> list[Any]:
 _REFERENCES: dict[str, Reference] = {}
 
 
+def build_reference(family: Family) -> Reference:
+    """The family's profile, its measured plain peak and two plain optimizer steps."""
+    profile = profile_model(
+        family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
+    )
+    measured = measure_training_step(
+        copy.deepcopy(family.model), family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer
+    )
+    return Reference(family, profile, measured.peak_bytes, two_steps(copy.deepcopy(family.model), family))
+
+
 def reference(name: str) -> Reference:
     if name not in _REFERENCES:
-        family = FAMILIES[name]()
-        profile = profile_model(
-            family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
-        )
-        measured = measure_training_step(
-            copy.deepcopy(family.model), family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer
-        )
-        steps = two_steps(copy.deepcopy(family.model), family)
-        _REFERENCES[name] = Reference(family, profile, measured.peak_bytes, steps)
+        _REFERENCES[name] = build_reference(FAMILIES[name]())
     return _REFERENCES[name]
 
 

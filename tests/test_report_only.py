@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import test_callback
 import torch
 from lightning.pytorch.callbacks import Callback
 
@@ -25,18 +26,7 @@ def module() -> GPTModule:
 
 
 def trainer(callbacks: list[Callback], root: Path) -> pl.Trainer:
-    return pl.Trainer(
-        callbacks=callbacks,
-        max_steps=3,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-        default_root_dir=root,
-    )
+    return test_callback.trainer(callbacks, root, max_steps=3)  # the shared deterministic CPU trainer
 
 
 def tight_budget_gb() -> float:

@@ -20,6 +20,7 @@ that is less), or that arrives while a profiler is already recording, is not run
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from collections.abc import Callable
@@ -127,11 +128,15 @@ def peak_beyond(run: Callable[[], Any]) -> tuple[Any, int]:
     millisecond; torch.profiler's first start in a process costs 1.5 s (Kineto's initialisation), more than the
     dry run of a small conv net. Both report the same allocations (every op of the tests' conv nets compared).
     """
+    collector_was_enabled = gc.isenabled()
+    gc.disable()  # a collection inside would report frees of older garbage (see QuietProfile)
     torch.autograd._enable_profiler_legacy(profiler_legacy.profile(profile_memory=True).config())
     try:
         out = run()
     finally:
         records = torch.autograd._disable_profiler_legacy()
+        if collector_was_enabled:
+            gc.enable()
     events = [e for thread in records for e in thread]
     # In time order across threads; sorted() is stable, so a thread's events keep their order within a microsecond.
     allocations = sorted(

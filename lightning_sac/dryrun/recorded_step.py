@@ -20,7 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from lightning_sac.adapters import CacheSwitch
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.dryrun.cuda.sdpa import attention_workspace_bytes
+from lightning_sac.dryrun.cuda.conv_workspace import cuda_workspace
 from lightning_sac.dryrun.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.dryrun.modules.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
 from lightning_sac.dryrun.recorder import StepRecorder
@@ -253,7 +253,7 @@ def record_step(
             fmodel,
             spec,
             step.estimator,
-            workspace=cpu_workspace_bytes if cpu else attention_workspace_bytes,
+            workspace=cpu_workspace_bytes if cpu else cuda_workspace(spec),
             output_bytes=cpu_output_bytes if cpu else None,
             is_real=real_values.is_real,
         )

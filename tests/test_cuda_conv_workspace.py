@@ -1,0 +1,87 @@
+"""cuDNN's convolution workspaces for CUDA targets: the bound an emulated target is charged, computed by hand.
+
+On a GPU the workspace is measured (``tests/gpu/test_cuda_conv_workspace.py`` compares the measurement and the bound
+with the real allocator); here, without one, the bound of :mod:`lightning_sac.dryrun.cuda.conv_workspace`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_sac import profile_model
+from lightning_sac.dryrun.cuda.conv_workspace import BOUND_RATIOS, bound_bytes
+
+aten = torch.ops.aten
+
+
+def _round512(n: float) -> int:
+    return -(-int(n) // 512) * 512
+
+
+def _call(c_in: int, c_out: int, size: int, stride: int, dtype: torch.dtype, channels_last: bool):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.empty(4, c_in, size, size, dtype=dtype, device="meta").to(memory_format=fmt)
+    w = torch.empty(c_out, c_in, 3, 3, dtype=dtype, device="meta").to(memory_format=fmt)
+    y = aten.convolution.default(x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1)
+    return x, w, y
+
+
+def test_a_contiguous_float32_convolution_is_bounded_by_its_input():
+    x, w, y = _call(16, 16, 32, 1, torch.float32, channels_last=False)
+    nbytes = 4 * 16 * 32 * 32 * 4  # 256 KiB, input and output alike
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(2.03 * nbytes) == 532480
+    grad = torch.empty_like(y)
+    args = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+    assert bound_bytes(aten.convolution_backward.default, args) == _round512(18.0 * nbytes) == 4718592
+
+
+def test_a_stem_is_bounded_by_its_output_when_that_is_larger():
+    # 3 -> 64 channels at stride 2: the output (64 x 16 x 16) is 5.3x the input (3 x 32 x 32).
+    x, w, y = _call(3, 64, 32, 2, torch.bfloat16, channels_last=True)
+    out_bytes = 4 * 64 * 16 * 16 * 2
+    assert out_bytes > x.numel() * 2
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(0.52 * out_bytes) == 68608
+    grad = torch.empty_like(y)
+    args = (grad, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])
+    assert bound_bytes(aten.convolution_backward.default, args) == _round512(0.57 * out_bytes) == 74752
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_each_precision_and_layout_takes_its_own_ratio(half, channels_last):
+    dtype = torch.bfloat16 if half else torch.float32
+    x, w, y = _call(8, 8, 16, 1, dtype, channels_last)
+    nbytes = x.numel() * x.element_size()
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(
+        BOUND_RATIOS[(half, channels_last)].forward * nbytes
+    )
+
+
+def test_other_ops_and_other_ranks_are_charged_nothing():
+    x = torch.empty(4, 8, 100, device="meta")
+    w = torch.empty(8, 8, 3, device="meta")
+    y = aten.convolution.default(x, w, None, [1], [1], [1], False, [0], 1)
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == 0  # 1-D: not measured, not bounded
+    assert bound_bytes(aten.mm.default, (torch.empty(4, 4, device="meta"),)) == 0
+
+
+def test_an_emulated_gpu_target_charges_the_backward_bound_at_its_peak(monkeypatch):
+    # One 3x3 conv, fp32, whose backward's bound (18x its 512 KiB input, 9 MiB) dwarfs the rest of the step (about
+    # 1 MiB alive then): the step's peak is that call. One more x of the input in the ratio moves the peak by one
+    # input's bytes, to the byte, and the peak's temporaries hold the bound.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1))
+    x = torch.randn(8, 16, 32, 32)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    profile = profile_model(model, (x,), loss_fn=loss, device="H100-SXM")
+    workspace = _round512(18.0 * x.numel() * 4)
+    assert workspace == 9437184
+    assert profile.peak_breakdown["temporary"] >= workspace
+    assert profile.peak_bytes - workspace < 2 * 2**20
+    ratios = dict(BOUND_RATIOS)
+    ratios[(False, False)] = type(ratios[(False, False)])(forward=2.03, backward=19.0)
+    monkeypatch.setattr("lightning_sac.dryrun.cuda.conv_workspace.BOUND_RATIOS", ratios)
+    larger = profile_model(model, (x,), loss_fn=loss, device="H100-SXM")
+    assert larger.peak_bytes - profile.peak_bytes == x.numel() * 4

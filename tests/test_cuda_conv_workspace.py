@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_sac import profile_model
-from lightning_sac.dryrun.cuda.conv_workspace import BOUND_RATIOS, bound_bytes
+from lightning_sac.dryrun.cuda.conv_workspace import BOUND_RATIOS, POINTWISE_BOUND, bound_bytes
 
 aten = torch.ops.aten
 
@@ -20,11 +20,12 @@ def _round512(n: float) -> int:
     return -(-int(n) // 512) * 512
 
 
-def _call(c_in: int, c_out: int, size: int, stride: int, dtype: torch.dtype, channels_last: bool):
+def _call(c_in: int, c_out: int, size: int, stride: int, dtype: torch.dtype, channels_last: bool, kernel: int = 3):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.empty(4, c_in, size, size, dtype=dtype, device="meta").to(memory_format=fmt)
-    w = torch.empty(c_out, c_in, 3, 3, dtype=dtype, device="meta").to(memory_format=fmt)
-    y = aten.convolution.default(x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1)
+    w = torch.empty(c_out, c_in, kernel, kernel, dtype=dtype, device="meta").to(memory_format=fmt)
+    pad = [kernel // 2] * 2
+    y = aten.convolution.default(x, w, None, [stride] * 2, pad, [1, 1], False, [0, 0], 1)
     return x, w, y
 
 
@@ -42,10 +43,10 @@ def test_a_stem_is_bounded_by_its_output_when_that_is_larger():
     x, w, y = _call(3, 64, 32, 2, torch.bfloat16, channels_last=True)
     out_bytes = 4 * 64 * 16 * 16 * 2
     assert out_bytes > x.numel() * 2
-    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(0.52 * out_bytes) == 68608
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(0.53 * out_bytes) == 69632
     grad = torch.empty_like(y)
     args = (grad, x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])
-    assert bound_bytes(aten.convolution_backward.default, args) == _round512(0.57 * out_bytes) == 74752
+    assert bound_bytes(aten.convolution_backward.default, args) == _round512(0.62 * out_bytes) == 81408
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
@@ -57,6 +58,17 @@ def test_each_precision_and_layout_takes_its_own_ratio(half, channels_last):
     assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(
         BOUND_RATIOS[(half, channels_last)].forward * nbytes
     )
+
+
+def test_a_1x1_convolution_takes_the_pointwise_bound():
+    # 64 -> 256 channels: the output (4 x 256 x 16 x 16 fp32, 1 MiB) is the base.
+    x, w, y = _call(64, 256, 16, 1, torch.float32, channels_last=False, kernel=1)
+    out_bytes = 4 * 256 * 16 * 16 * 4
+    assert bound_bytes(aten.convolution.default, (x, w, None), y) == _round512(POINTWISE_BOUND.forward * out_bytes)
+    assert _round512(POINTWISE_BOUND.forward * out_bytes) == 52736
+    grad = torch.empty_like(y)
+    args = (grad, x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, False])
+    assert bound_bytes(aten.convolution_backward.default, args) == _round512(0.15 * out_bytes) == 157696
 
 
 def test_other_ops_and_other_ranks_are_charged_nothing():

@@ -21,9 +21,11 @@ bytes; FSDP's gathered parameters and reduce-scatter buffers are allocated on it
 allocator keeps apart from the compute stream's (``get_free_block`` matches the stream), and are not replayed.
 
 The fragmentation is the replayed reserved peak minus the replayed tensors' peak. Without memory pressure the
-allocator keeps every segment and the replay runs unbounded; where that would not fit the room the budget leaves,
-torch releases cached segments and retries before it runs out of memory, and the step needs only
-:func:`~lightning_sac.dryrun.needed_reserved`.
+allocator keeps every segment and the replay runs unbounded; only where that would not fit the room the device
+leaves (its memory, not the budget: the allocator does not know the budget) does torch release cached segments and
+retry before it runs out of memory, and the step needs only :func:`~lightning_sac.dryrun.needed_reserved`. On an
+H100 a ResNet step with 919 MiB of tensors reserved 1409-1474 MiB under a 1.97 GiB budget, where its unbounded
+replay predicts 1380 MiB and the least it runs in is 23 MiB above its tensors.
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ class StepFragmentation:
 
         Args:
             decisions: The plan's decisions (empty: the step without a plan).
-            room: The bytes the budget leaves for fragmentation beside the plan's tensors. When the unbounded
-                replay reserves more, the device releases cached segments and retries: the step's need is the
+            room: The bytes the device leaves for fragmentation beside the plan's tensors. When the unbounded
+                replay reserves more, the allocator releases cached segments and retries: the step's need is the
                 least reserved it runs in. ``None``: no limit.
         """
         profile, trace = self.profile, self.profile.allocations

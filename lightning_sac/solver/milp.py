@@ -214,6 +214,10 @@ def _solve(
     # The step's tensors and the allocator's fragmentation get what the device holds for nothing else (see
     # lightning_sac.plan.reserve); the fragmentation depends on the plan (lightning_sac.plan.fragmentation).
     room = int(budget_gb * _GIB) - base.total
+    # The caching allocator releases cached segments (and retries) only when the device itself runs out: below that,
+    # it keeps them, whatever the budget. A step's fragmentation is then its replay's without a limit, and its least
+    # need only where the device would run out (plan.fragmentation).
+    device_room = int(profile.device.memory_gib * _GIB) - base.total
     cands = find_candidates(profile, candidates, n_segments, backend, masks)
     windows = {c.fqn: c.window for c in cands}
     constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
@@ -222,7 +226,7 @@ def _solve(
     plain = unconstrained
     if profile.kv_cache_peak is not None:
         plain = device_model(profile, world_size, sharding)(0, profile.kv_cache_peak)
-    frag = plain_frag = fragmentation({}, room - plain)
+    frag = plain_frag = fragmentation({}, device_room - plain)
     plan = Plan(
         budget_bytes=int(budget_gb * _GIB),
         reserve=_reserve(profile, world_size, frag),
@@ -243,7 +247,7 @@ def _solve(
     # From here on the plan runs the model as profiled: without KV caches in training.
     plan.kv_cache_off = bool(profile.kv_cache_off)
     plan.predicted_peak_bytes = unconstrained
-    frag = fragmentation({}, room - unconstrained)
+    frag = fragmentation({}, device_room - unconstrained)
     plan.reserve = _reserve(profile, world_size, frag)
     if unconstrained + frag <= room:
         plan.solver_seconds = time.perf_counter() - start
@@ -270,7 +274,7 @@ def _solve(
         found = search(room - frag)
         if found is None:
             break
-        own = fragmentation(found[0], room - found[1])
+        own = fragmentation(found[0], device_room - found[1])
         if found[1] + own <= room and (kept is None or _added_ms(found[0]) < _added_ms(kept[0][0])):
             kept = (found, own)
         if own in tried or (kept is not None and frag - own <= _RESOLVE_SHARE * room):
@@ -279,14 +283,14 @@ def _solve(
     if kept is None:
         # No plan of the MILP's fits: the plan of the least memory, if it does; a cheaper one at its fragmentation.
         lowest = lowest_plan(
-            profile, cands, constraints, backend, per_op_us, measured, masks, lambda d, p: fragmentation(d, room - p)
+            profile, cands, constraints, backend, per_op_us, measured, masks, lambda d, p: fragmentation(d, device_room - p)
         )
         decisions, peak, own = lowest
         if peak + own > room:
             raise _budget_error(profile, budget_gb, world_size, sharding, peak, plain, own, plain_frag)
         kept = ((decisions, peak, "Optimal (lowest peak)", 0.0), own)
         found = search(room - own) if own not in tried else None
-        if found is not None and found[1] + (again := fragmentation(found[0], room - found[1])) <= room:
+        if found is not None and found[1] + (again := fragmentation(found[0], device_room - found[1])) <= room:
             kept = (found, again)
     (decisions, peak, status_text, gap), own = kept
     plan.decisions, plan.predicted_peak_bytes, plan.reserve = decisions, peak, _reserve(profile, world_size, own)

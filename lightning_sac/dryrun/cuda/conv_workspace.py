@@ -20,9 +20,10 @@ cuDNN's heuristics are not published, so the size cannot be derived from a formu
 it, running each distinct signature (operation, shapes, strides, dtype, cuDNN flags) twice on zero tensors of this
 GPU and taking the second call's allocated peak beyond its outputs, as a training step after the first one holds it.
 For an emulated target (planning for a named GPU on a machine without it) the workspace is bounded by
-:data:`BOUND_RATIOS`: per precision, layout and direction, the largest workspace measured on an H100 (cuDNN 9.19,
-``benchmarks/cuda_conv_workspace.py``, figures in docs/benchmarks.md) as a multiple of the larger of the call's
-input and output. It is an upper bound of those measurements, not a prediction of the engine cuDNN will pick.
+:data:`BOUND_RATIOS` (:data:`POINTWISE_BOUND` for 1x1 kernels): per precision, layout and direction, the largest
+workspace measured on an H100 (cuDNN 9.19, ``tests/gpu/test_cuda_workspace.py``, figures in docs/benchmarks.md) as a
+multiple of the larger of the call's input and output. It is an upper bound of those measurements, not a prediction
+of the engine cuDNN will pick.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from lightning_sac.dryrun.cuda.sdpa import attention_workspace_bytes
 __all__ = [
     "BOUND_RATIOS",
     "CONVOLUTION_OPS",
+    "POINTWISE_BOUND",
     "CudaWorkspace",
     "CudnnWorkspace",
     "WorkspaceBound",
@@ -72,14 +74,18 @@ class WorkspaceBound:
     backward: float
 
 
-# (half precision, channels-last) -> bound. Half precision: bfloat16 and float16 operands. Largest of the signatures
-# measured on an H100 80GB HBM3 with cuDNN 9.19 and torch 2.11, benchmark on and off (docs/benchmarks.md).
+# (half precision, channels-last) -> bound, for kernels larger than 1x1. Half precision: bfloat16 and float16 operands.
+# The largest of the signatures measured on an H100 80GB HBM3 with cuDNN 9.19 and torch 2.11, benchmark on and off
+# (docs/benchmarks.md), rounded up.
 BOUND_RATIOS: dict[tuple[bool, bool], WorkspaceBound] = {
     (False, False): WorkspaceBound(forward=2.03, backward=18.0),  # 3x3 64->64 forward; 3x3 32->32 on 512 x 16 x 16
-    (False, True): WorkspaceBound(forward=0.2, backward=8.15),  # 7x7/2 stem forward; depthwise 7x7 backward
-    (True, False): WorkspaceBound(forward=2.05, backward=2.15),  # 3x3 64->64 on 32 x 56 x 56, both directions
-    (True, True): WorkspaceBound(forward=0.52, backward=0.57),  # 7x7/2 stem, both directions
+    (False, True): WorkspaceBound(forward=0.2, backward=8.3),  # 7x7/2 stem forward; depthwise 7x7 backward
+    (True, False): WorkspaceBound(forward=2.1, backward=2.15),  # 3x3 64->64 on 32 x 56 x 56, both directions
+    (True, True): WorkspaceBound(forward=0.53, backward=0.62),  # 7x7/2 stem, both directions
 }
+# 1x1 convolutions (a GEMM for cuDNN): at most 0.1x in every precision and layout measured (a channels-last bf16
+# 64->256 backward on 32 x 56 x 56).
+POINTWISE_BOUND = WorkspaceBound(forward=0.05, backward=0.15)
 
 
 def _round(nbytes: float) -> int:
@@ -112,7 +118,10 @@ def bound_bytes(func: Any, args: tuple[Any, ...], out: Any = None) -> int:
         return 0
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         return 0  # 1-D and 3-D convolutions were not measured: charged nothing, as before (docs/methodology.md)
-    bound = BOUND_RATIOS[(x.dtype in (torch.bfloat16, torch.float16), _channels_last(x))]
+    weight = args[1] if func is _FORWARD else args[2]
+    pointwise = isinstance(weight, torch.Tensor) and tuple(weight.shape[2:]) == (1, 1)
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    bound = POINTWISE_BOUND if pointwise else BOUND_RATIOS[(half, _channels_last(x))]
     return _round(getattr(bound, ratio_of) * max(_nbytes(x), base_other))
 
 

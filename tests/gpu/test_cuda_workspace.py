@@ -2,7 +2,10 @@
 
 For each signature (vision shapes, fp32 and bf16, contiguous and channels-last, ``cudnn.benchmark`` off and on) the
 second call's workspace is read from the allocator's peak, independently of the package; the package's measurement
-(``CudnnWorkspace``) must give the same bytes, and the bound charged to an emulated target must not be below it.
+(``CudnnWorkspace``, another call on other tensors) must agree with it, and the bound charged to an emulated target
+must not be below it. Last in the suite's order: ``benchmark`` mode loads every cuDNN engine it times, which grows the
+CUDA context that ``test_cuda_memory`` compares with the device table (713 MiB after this test on an H100, 709 MiB
+in the table).
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ def _operands(sig: tuple[int, ...], dtype: torch.dtype, channels_last: bool):
     return x, w, [stride, stride], [kernel // 2] * 2, groups
 
 
+# The allocator hands out a cached block whole when less than 1 MiB would remain after a split (the large pool's
+# rule in CUDACachingAllocator.cpp), and counts the whole block as allocated: an output or the workspace may count up
+# to 1 MiB more in one call than in another of the same signature. Two calls of the same signature on an H100 differed
+# by up to 0.9 MiB.
+AGREEMENT = 2 * 2**20
+
+
 def _second_call_scratch(call) -> int:
     scratch = 0
     for _ in range(2):
@@ -51,14 +61,14 @@ def _second_call_scratch(call) -> int:
     return scratch
 
 
-@pytest.mark.parametrize("benchmark", [False, True], ids=["heuristics", "benchmark"])
+@pytest.mark.parametrize("cudnn_benchmark", [False, True], ids=["heuristics", "benchmark"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_measured_workspace_is_the_gpus_and_the_bound_holds(dtype, channels_last, benchmark, figure):
+def test_the_measured_workspace_is_the_gpus_and_the_bound_holds(dtype, channels_last, cudnn_benchmark, figure):
     saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = benchmark
+    torch.backends.cudnn.benchmark = cudnn_benchmark
     try:
-        over = {}
+        over, differ = {}, {}
         for name, sig in SIGNATURES.items():
             x, w, stride, pad, groups = _operands(sig, dtype, channels_last)
             conv = (x, w, None, stride, pad, [1, 1], False, [0, 0], groups)
@@ -74,11 +84,13 @@ def test_the_measured_workspace_is_the_gpus_and_the_bound_holds(dtype, channels_
                 bound = bound_bytes(func, args, out)
                 figure.mib(f"{name} {label} measured", real)
                 figure.mib(f"{name} {label} bound", bound)
-                assert ours == real, (name, label, ours, real)
+                if abs(ours - real) > AGREEMENT:
+                    differ[f"{name} {label}"] = f"{real / 2**20:.1f} MiB measured here, {ours / 2**20:.1f} MiB by ours"
                 if bound < real:
                     over[f"{name} {label}"] = f"{real / 2**20:.1f} MiB measured, bound {bound / 2**20:.1f} MiB"
             del x, w, y, grad
             torch.cuda.empty_cache()
+        assert not differ, differ
         assert not over, over
     finally:
         torch.backends.cudnn.benchmark = saved

@@ -282,9 +282,8 @@ def _solve(
         frag = own
     if kept is None:
         # No plan of the MILP's fits: the plan of the least memory, if it does; a cheaper one at its fragmentation.
-        lowest = lowest_plan(
-            profile, cands, constraints, backend, per_op_us, measured, masks, lambda d, p: fragmentation(d, device_room - p)
-        )
+        own_fragmentation = lambda d, p: fragmentation(d, device_room - p)  # noqa: E731
+        lowest = lowest_plan(profile, cands, constraints, backend, per_op_us, measured, masks, own_fragmentation)
         decisions, peak, own = lowest
         if peak + own > room:
             raise _budget_error(profile, budget_gb, world_size, sharding, peak, plain, own, plain_frag)

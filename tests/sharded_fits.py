@@ -4,7 +4,8 @@ Every rank of a cell is a process this harness starts itself (:func:`processes.s
 environment Lightning reads for processes created outside it (``LOCAL_RANK``, ``WORLD_SIZE``, ...), so the same
 processes run the plain fit and the planned one. The model is a Hugging Face Llama decoder (tiny config) in the
 usual LightningModule; under FSDP2 ``configure_model`` shards each decoder layer and then the model with
-``fully_shard``, under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
+``fully_shard`` (``fsdp2-mp``: with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, as
+torchtitan does), under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
 from :class:`fit_harness.BatchPeaks` (torch.profiler, started after sharding), independently of AutoSAC.
 
 Lightning refuses ``FSDPStrategy`` on CPU (``type(strategy) is FSDPStrategy`` and a CPU accelerator) and FSDP1
@@ -76,26 +77,32 @@ def _llama() -> torch.nn.Module:
 class LlamaModule(pl.LightningModule):
     """``self.model(**batch).loss`` of a tiny Llama; FSDP2 shards it in ``configure_model`` when asked to."""
 
-    def __init__(self, fsdp2: bool, units: str = "layers") -> None:
+    def __init__(self, fsdp2: bool, units: str = "layers", mixed: bool = False, keep: bool = False) -> None:
         super().__init__()
         self.fsdp2 = fsdp2
         self.units = units
+        self.mixed = mixed  # FSDP2's MixedPrecisionPolicy as torchtitan sets it: bf16 parameters, fp32 reduction
+        self.keep = keep  # reshard_after_forward=False: each unit's parameters stay gathered until its backward
         self.model = _llama()
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if not self.fsdp2:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed else None
+        kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        if self.keep:
+            kw["reshard_after_forward"] = False
         for layer in self.model.model.layers:
             if self.units == "sublayers":  # attention and MLP each a unit: a decoder layer contains two
-                fully_shard(layer.self_attn, mesh=mesh)
-                fully_shard(layer.mlp, mesh=mesh)
+                fully_shard(layer.self_attn, **kw)
+                fully_shard(layer.mlp, **kw)
             else:
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+                fully_shard(layer, **kw)
+        fully_shard(self.model, **kw)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
@@ -116,7 +123,7 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
         return "auto"
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo")
-    if name == "fsdp2":
+    if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep"):
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     if name == "fsdp1":
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -128,7 +135,9 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
 
 def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str, root: str) -> LlamaModule:
     pl.seed_everything(0)
-    module = LlamaModule(fsdp2=strategy == "fsdp2", units=units)
+    module = LlamaModule(
+        fsdp2=strategy.startswith("fsdp2"), units=units, mixed=strategy == "fsdp2-mp", keep=strategy == "fsdp2-keep"
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -189,7 +198,7 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
         NODE_RANK="0",
     )
     torch.set_num_threads(1)
-    for strategy, precision in [(s, p) for s in strategies for p in precisions]:
+    for strategy, precision in _combos(strategies, precisions):
         plain_peaks = BatchPeaks(at_train_start=True)
         plain = _fit(strategy, precision, world_size, [plain_peaks], units, out)
         peak = torch.tensor(max(plain_peaks.peaks))
@@ -216,6 +225,12 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
         Path(out, f"{strategy}_{precision}_rank{rank}.json").write_text(json.dumps(asdict(result)))
 
 
+def _combos(strategies: tuple[str, ...], precisions: tuple[str, ...]) -> list[tuple[str, str]]:
+    # FSDP2's own mixed precision (bf16 parameters, fp32 reduction) runs without Lightning's autocast, as torchtitan
+    # runs it: only in "32-true"; so does reshard_after_forward=False, whose precision changes nothing it tests.
+    return [(s, p) for s in strategies for p in precisions if s not in ("fsdp2-mp", "fsdp2-keep") or p == "32-true"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -239,6 +254,5 @@ def run_cells(
     start_ranks(_rank, ((strategies, precisions, world_size, autosac), _free_port(), str(out)), world_size)
     return {
         (s, p): [CellResult(**json.loads(Path(out, f"{s}_{p}_rank{r}.json").read_text())) for r in range(world_size)]
-        for s in strategies
-        for p in precisions
+        for s, p in _combos(strategies, precisions)
     }

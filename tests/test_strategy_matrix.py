@@ -1,5 +1,9 @@
 """Issue "FSDP": AutoSAC in every strategy x precision x world size, measured per rank from the outside.
 
+The strategies: one device, DDP, FSDP2, FSDP2 with its own mixed precision (``fsdp2-mp``: bf16 parameters gathered
+and computed, fp32 reduction, Lightning's "32-true"; the dry run computes as the unit casts), FSDP2 with
+``reshard_after_forward=False`` (``fsdp2-keep``), FSDP1.
+
 Each cell fits plain, then with AutoSAC at 80% of the cell's own measured plain per-rank peak (the highest over
 ranks and batches), on a tiny Hugging Face Llama (see ``sharded_fits``). Accept: a non-empty plan, identical on
 every rank (fingerprint and per-op decisions); losses equal the plain fit's; every rank's measured planned batch
@@ -24,18 +28,24 @@ PRECISIONS = ("32-true", "bf16-mixed")
 @functools.cache
 def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str], list[CellResult]]:
     # One set of processes per world size runs every strategy of it, in the given precisions (see run_cells).
-    strategies = ("single", "ddp", "fsdp2", "fsdp1") if world_size == 1 else ("ddp", "fsdp2", "fsdp1")
+    by_size = {
+        1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
+        2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
+    }
+    strategies = by_size.get(world_size, ("ddp", "fsdp2", "fsdp1"))
     out = Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_"))
     return run_cells(strategies, world_size, precisions, out)
 
 
 def _cells() -> list:
     cells = [("single", 1)] + [(s, w) for s in ("ddp", "fsdp2", "fsdp1") for w in (1, 2, 4)]
-    return [
-        pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=pytest.mark.slow)
-        for s, w in cells
-        for p in PRECISIONS
-    ]
+    params = [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=pytest.mark.slow) for s, w in cells for p in PRECISIONS]
+    # FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under Lightning's "32-true": FSDP casts; and
+    # reshard_after_forward=False. On 4 ranks both are predicted 2.8% and 4.1% above their measured planned peak
+    # (conservative: the plans land 5-6% under their budget), the gap FSDP2 shows on 4 ranks in "32-true" too
+    # (docs/methodology.md): those cells wait for it to be closed.
+    extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-keep", 2)]
+    return params + [pytest.param(s, w, "32-true", id=f"{s}-32-true-ws{w}", marks=pytest.mark.slow) for s, w in extra]
 
 
 @pytest.mark.parametrize(("strategy", "world_size", "precision"), _cells())

@@ -106,9 +106,10 @@ def unsharded_memo(
 
     scope = outer if outer is not None else model
     flat_shapes = _fsdp1_global_params(scope)
+    compute = _fsdp2_compute_dtypes(model)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            fake = make_fake(p.shape, p.dtype)
+            fake = make_fake(p.shape, compute.get(id(p), p.dtype))
             memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
         elif id(p) in flat_shapes:
             shape, dtype, grad = flat_shapes[id(p)]
@@ -123,8 +124,54 @@ def unsharded_memo(
     for m in reversed(list(model.modules())):
         if isinstance(m, FSDPModule):
             memo[id(m)] = copy.deepcopy(_stripped_fsdp2(m), memo)
+            _cast_as_fsdp2(memo[id(m)], m._get_fsdp_state()._mp_policy)
         elif isinstance(m, FullyShardedDataParallel):
             memo[id(m)] = copy.deepcopy(m._fsdp_wrapped_module, memo)
+
+
+def _fsdp2_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """Per FSDP2 parameter (its sharded ``DTensor``), the dtype its unit gathers and computes it in.
+
+    ``MixedPrecisionPolicy(param_dtype=...)`` gathers the parameters cast (torchtitan's bf16 with fp32 shards): the
+    step's matmuls, and what autograd saves for them, are in that dtype.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    dtypes: dict[int, torch.dtype] = {}
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if group.mp_policy.param_dtype is not None:
+                dtypes.update((id(p.sharded_param), group.mp_policy.param_dtype) for p in group.fsdp_params)
+    return dtypes
+
+
+def _cast_floating(dtype: torch.dtype) -> Callable[[Any], Any]:
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype else x
+
+    return cast
+
+
+def _cast_as_fsdp2(copy_of_unit: nn.Module, mp: Any) -> None:
+    """Cast the copy's inputs and output as its FSDP2 unit's mixed precision does (its hooks are not copied).
+
+    With ``cast_forward_inputs`` (the default) each unit casts the floating-point tensors among its forward's
+    arguments to ``param_dtype`` before running; with ``output_dtype`` it casts its output's.
+    """
+    from torch.utils._pytree import tree_map
+
+    if mp.param_dtype is not None and mp.cast_forward_inputs:
+        to_param = _cast_floating(mp.param_dtype)
+
+        def cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            return tree_map(to_param, args), tree_map(to_param, kwargs)
+
+        copy_of_unit.register_forward_pre_hook(cast_inputs, with_kwargs=True)
+    if mp.output_dtype is not None:
+        to_output = _cast_floating(mp.output_dtype)
+        copy_of_unit.register_forward_hook(lambda module, args, out: tree_map(to_output, out))
 
 
 def _fsdp1_buffer_dtype(outer: nn.Module) -> torch.dtype | None:

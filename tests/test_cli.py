@@ -19,6 +19,7 @@ from lightning_sac.cli.args import UsageError
 from lightning_sac.cli.main import gather_devices, main, render_devices
 from lightning_sac.demos import gpt_example
 from lightning_sac.devices import known_devices
+from lightning_sac.sharding.declared import declared_layout
 from lightning_sac.solver.recompute import recompute_ms
 
 FACTORY = "lightning_sac.demos:gpt_example"
@@ -366,3 +367,33 @@ def test_a_factory_may_return_a_keyword_batch(tmp_path, capsys):
     assert main(["plan", f"{factory}:make", "--budget-gb", "0.012", "--device", "cpu", "--json", str(path)]) == 0
     plan = Plan.from_json(path.read_text())
     assert plan.decisions and plan.predicted_peak_bytes <= plan.budget_bytes and plan.kv_cache_off
+
+
+def test_fsdp_units_count_what_each_unit_gathers(tmp_path, capsys):
+    # The demo GPT sharded per block over 8 devices: the plan counts each block's gathered parameters as FSDP2
+    # holds them, on top of the evenly divided states, and equals solve_plan on the same profile with the units.
+    path = tmp_path / "plan.json"
+    argv = ["plan", FACTORY, "--budget-gb", "7.5", "--device", "H100-SXM", "--fsdp", "8"]
+    model, inputs, loss_fn, optimizer_factory = gpt_example()
+    blocks = len(model.blocks)
+    assert main([*argv, "--fsdp-units", "blocks.*", "--json", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"FSDP2 over 8 devices: {blocks + 1} units ({blocks} modules matching --fsdp-units, and the root" in err
+    with_units = Plan.from_json(path.read_text())
+    profile = profile_model(model, inputs, loss_fn=loss_fn, optimizer_factory=optimizer_factory, device="H100-SXM")
+    profile.sharded = declared_layout(model, ["blocks.*"], 8)
+    direct = solve_plan(profile, 7.5, world_size=8, sharding="sharded")
+    assert with_units.decisions == direct.decisions
+    assert with_units.unconstrained_peak_bytes == direct.unconstrained_peak_bytes
+    # Without units the states are divided and nothing is gathered: less than with them, and said.
+    assert main([*argv, "--json", str(path)]) == 0
+    assert "sharded without FSDP units" in capsys.readouterr().err
+    assert Plan.from_json(path.read_text()).unconstrained_peak_bytes < with_units.unconstrained_peak_bytes
+
+
+def test_fsdp_units_without_sharding_or_matching_nothing_exit_2(capsys):
+    argv = ["plan", FACTORY, "--budget-gb", "7.5", "--device", "H100-SXM"]
+    assert main([*argv, "--fsdp-units", "blocks.*"]) == 2
+    assert "add --fsdp N" in capsys.readouterr().err
+    assert main([*argv, "--fsdp", "4", "--fsdp-units", "layers.*"]) == 2
+    assert "'layers.*' name no module of the model" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sac.cli.args import CliParser, UsageError, call_factory, check_plan_args, load_factory, notice
 from lightning_sac.cli.hf_config import add_hf_arguments, check_hf_args, hf_made
+from lightning_sac.cli.sharding import add_sharding_arguments, declare_units
 from lightning_sac.cli.step import TrainingStep, add_step_arguments, training_step
 from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
 from lightning_sac.errors import BudgetError, LightningSACError
@@ -158,6 +159,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         notice(note)
     step = training_step(made, args.optimizer, args.loss)
     profile = _profile(made.model, made.inputs, step, spec, args.estimate, args.replace_existing)
+    declare_units(args, made.model, profile)
     check_checkpointable(args.candidates, profile, args.n_segments, args.backend)
     try:
         plan = solve_plan(
@@ -244,21 +246,7 @@ def plan_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
         help="target device, a name of `lightning-sac devices` (any case; H100-SXM, h100 sxm) or an alias (4090); "
         "a model with several entries (H100) lists them; default: this one",
     )
-    parser.add_argument("--world-size", type=int, default=1, help="number of devices the step runs on")
-    parser.add_argument(
-        "--sharding",
-        choices=["replicated", "sharded"],
-        default="replicated",
-        help="replicated (DDP: every device holds all parameters, gradients, optimizer state) or sharded (FSDP: "
-        "those divided over --world-size devices)",
-    )
-    parser.add_argument(
-        "--fsdp",
-        type=int,
-        default=None,
-        metavar="N",
-        help="FSDP over N devices: the same as --world-size N --sharding sharded",
-    )
+    add_sharding_arguments(parser)
     add_step_arguments(parser)
     parser.add_argument(
         "--estimate",

@@ -183,12 +183,14 @@ class CellResult:
     predicted_plain: int
     predicted_peak: int
     calls: dict[str, list[int]]  # per planned module: its calls, and those that ran other ops than profiled
+    own_measured: int | None = None  # AutoSAC's own measurement (measure=True) of the second step, in a third fit
 
 
 def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str, Any]], port: int, out: str) -> None:
     strategies, precisions, world_size, autosac = cell
     autosac = dict(autosac)
     units = autosac.pop("units", "layers")
+    own_measure = autosac.pop("own_measure", False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -209,6 +211,11 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
         planned_peaks, calls = BatchPeaks(at_train_start=True), _Calls(sac)
         planned = _fit(strategy, precision, world_size, [sac, planned_peaks, calls], units, out)
         assert sac.plan is not None
+        own_measured = None
+        if own_measure:  # the same planned fit again, measured by AutoSAC itself (one profiler at a time)
+            own = AutoSAC(budget_gb=budget / 2**30, measure=True, log_figures=False, **autosac)
+            _fit(strategy, precision, world_size, [own], units, out)
+            own_measured = None if own.measured is None else own.measured.peak_bytes
         result = CellResult(
             rank=rank,
             plain_peaks=plain_peaks.peaks,
@@ -221,6 +228,7 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
             predicted_plain=sac.plan.unconstrained_peak_bytes,
             predicted_peak=sac.plan.predicted_peak_bytes,
             calls=calls.seen,
+            own_measured=own_measured,
         )
         Path(out, f"{strategy}_{precision}_rank{rank}.json").write_text(json.dumps(asdict(result)))
 
@@ -244,8 +252,9 @@ def run_cells(
 
     Most of a cell's time is starting processes and importing: the cells of a world size share them (the
     process group Lightning initializes in the first fit serves the later ones). ``autosac`` are more arguments
-    of AutoSAC (e.g. ``candidates``), and ``units="sublayers"`` shards each decoder layer's attention and MLP as
-    units instead of the layer.
+    of AutoSAC (e.g. ``candidates``), ``units="sublayers"`` shards each decoder layer's attention and MLP as
+    units instead of the layer, and ``own_measure=True`` fits the planned cell a third time with AutoSAC's own
+    measurement (``CellResult.own_measured``).
 
     Returns:
         Per ``(strategy, precision)``, every rank's result.

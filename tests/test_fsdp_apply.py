@@ -41,6 +41,20 @@ def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None
         assert max(r.planned_peaks) <= r.budget_bytes * 1.02, (r.rank, max(r.planned_peaks), r.budget_bytes)
 
 
+@pytest.mark.slow  # 2 processes, three fits of each strategy: about 40 s
+def test_autosacs_own_measurement_under_fsdp_agrees_with_an_outside_one() -> None:
+    # AutoSAC's measure=True inside a sharded fit (on global rank 0, as it plans) against torch.profiler's batch
+    # peaks (fit_harness.BatchPeaks) of the same planned fit run again: the second step, within 1.5% (the issue's
+    # bound).
+    out = Path(tempfile.mkdtemp(prefix="fsdp_own_measure_"))
+    cells = run_cells(("fsdp2", "fsdp1"), 2, ("32-true",), out, own_measure=True)
+    for strategy in ("fsdp2", "fsdp1"):
+        zero, one = cells[strategy, "32-true"]
+        assert one.own_measured is None  # rank 1 measures nothing
+        assert zero.own_measured is not None, strategy
+        assert zero.own_measured == pytest.approx(zero.planned_peaks[1], rel=0.015), strategy
+
+
 def test_tensor_parallelism_is_refused_with_what_to_pass() -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 

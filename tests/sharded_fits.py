@@ -5,7 +5,8 @@ environment Lightning reads for processes created outside it (``LOCAL_RANK``, ``
 processes run the plain fit and the planned one. The model is a Hugging Face Llama decoder (tiny config) in the
 usual LightningModule; under FSDP2 ``configure_model`` shards each decoder layer and then the model with
 ``fully_shard`` (``fsdp2-mp``: with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, as
-torchtitan does), under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
+torchtitan does; ``fsdp2-keep``: ``reshard_after_forward=False``; ``hsdp``: over a 2 x (world / 2) replicate x
+shard mesh), under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
 from :class:`fit_harness.BatchPeaks` (torch.profiler, started after sharding), independently of AutoSAC.
 
 Lightning refuses ``FSDPStrategy`` on CPU (``type(strategy) is FSDPStrategy`` and a CPU accelerator) and FSDP1
@@ -77,12 +78,15 @@ def _llama() -> torch.nn.Module:
 class LlamaModule(pl.LightningModule):
     """``self.model(**batch).loss`` of a tiny Llama; FSDP2 shards it in ``configure_model`` when asked to."""
 
-    def __init__(self, fsdp2: bool, units: str = "layers", mixed: bool = False, keep: bool = False) -> None:
+    def __init__(
+        self, fsdp2: bool, units: str = "layers", mixed: bool = False, keep: bool = False, hsdp: bool = False
+    ) -> None:
         super().__init__()
         self.fsdp2 = fsdp2
         self.units = units
         self.mixed = mixed  # FSDP2's MixedPrecisionPolicy as torchtitan sets it: bf16 parameters, fp32 reduction
         self.keep = keep  # reshard_after_forward=False: each unit's parameters stay gathered until its backward
+        self.hsdp = hsdp  # a 2-D mesh: parameters sharded within a group of ranks, replicated across the two groups
         self.model = _llama()
         self.losses: list[float] = []
 
@@ -92,6 +96,10 @@ class LlamaModule(pl.LightningModule):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        if self.hsdp:  # replicate x shard, 2 x (world / 2): HSDP
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, mesh.size() // 2), mesh_dim_names=("replicate", "shard"))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed else None
         kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
         if self.keep:
@@ -123,7 +131,7 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
         return "auto"
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo")
-    if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep"):
+    if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp"):
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     if name == "fsdp1":
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -136,7 +144,11 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
 def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str, root: str) -> LlamaModule:
     pl.seed_everything(0)
     module = LlamaModule(
-        fsdp2=strategy.startswith("fsdp2"), units=units, mixed=strategy == "fsdp2-mp", keep=strategy == "fsdp2-keep"
+        fsdp2=strategy.startswith("fsdp2") or strategy == "hsdp",
+        units=units,
+        mixed=strategy == "fsdp2-mp",
+        keep=strategy == "fsdp2-keep",
+        hsdp=strategy == "hsdp",
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -235,8 +247,9 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
 
 def _combos(strategies: tuple[str, ...], precisions: tuple[str, ...]) -> list[tuple[str, str]]:
     # FSDP2's own mixed precision (bf16 parameters, fp32 reduction) runs without Lightning's autocast, as torchtitan
-    # runs it: only in "32-true"; so does reshard_after_forward=False, whose precision changes nothing it tests.
-    return [(s, p) for s in strategies for p in precisions if s not in ("fsdp2-mp", "fsdp2-keep") or p == "32-true"]
+    # runs it: only in "32-true"; so do reshard_after_forward=False and HSDP, whose precision changes nothing they test.
+    fp32_only = ("fsdp2-mp", "fsdp2-keep", "hsdp")
+    return [(s, p) for s in strategies for p in precisions if s not in fp32_only or p == "32-true"]
 
 
 def _free_port() -> int:

@@ -110,23 +110,24 @@ OPT_SHARDS = round(OPT * SHARDS / P)  # AdamW's state is created from the shards
 def test_bytes_at_each_moment_with_fsdp2_default_backward_prefetch() -> None:
     fsdp = step(A, B)
     assert OPT_SHARDS == 160
-    # FSDP2 keeps a unit's flat all-gather buffer (a: 224, b: 96) until the next all-gather, and frees the last one
-    # when backward ends; at the moment of a gather the previous buffer is still alive beside the new one.
+    # a and b are sibling units, each the root of its own forward. FSDP2 keeps a unit's flat all-gather buffer (a:
+    # 224, b: 96) after copying its parameters out in forward, until the next unit's copy-out or the end of a
+    # root's forward (FSDPState._post_forward); in backward it frees it at the copy-out. At the moment of a gather
+    # the previous buffer may still be alive beside the new one.
     # Forward, in a's forward: a gathered (140), every gradient shard of the last step (56 + 24), a's buffer.
     assert at(fsdp, 1) == at(fsdp, 1, moment=True) == SHARDS + 140 + OPT_SHARDS + 80 + 224
-    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80 + 224  # fwd_post is inside a's gathered interval
-    # b's forward: a resharded, b gathered; b's buffer replaces a's, which is alive at the moment b is gathered.
-    assert at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96
-    assert at(fsdp, 3, moment=True) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96 + 224
-    # Backward begins with gradients set to None. b's backward starts: b gathered, and a prefetched with it
-    # (default: the unit whose forward ended just before b's is gathered when b's backward begins).
-    plain_6 = 150 + SHARDS + 72 + 140 + OPT_SHARDS + 72  # b's unsharded gradients as it runs
-    assert at(fsdp, 6) == plain_6 + 224  # the larger of the two buffers gathered here is counted as kept
-    assert at(fsdp, 6, moment=True) == plain_6 + 96 + 224 + 96  # both gathers, and b's buffer from its forward
-    # b's backward ends: its gradients and the reduce-scatter's input (72 + 72); a still gathered.
-    assert at(fsdp, 7) == 120 + SHARDS + 72 + 140 + OPT_SHARDS + 2 * 72 + 224
-    # a's backward: b's gradient shard (24) and a's unsharded gradients (140); b resharded.
-    assert at(fsdp, 8) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224
+    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80  # a's forward ends: a root's, so its buffer goes
+    # b's forward: a resharded, b gathered with its buffer; nothing of a's is left at the moment b is gathered.
+    assert at(fsdp, 3) == at(fsdp, 3, moment=True) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96
+    # Backward begins with gradients set to None. b's backward starts: b gathered, and a's all-gather issued with
+    # it (default prefetch: the unit whose forward ended just before b's), whose parameters are copied out only
+    # when a's own backward begins. No gradient exists yet at this event: each is made as backward reaches it.
+    assert at(fsdp, 6) == 150 + SHARDS + 72 + OPT_SHARDS + 224  # the larger of the two buffers issued here
+    assert at(fsdp, 6, moment=True) == 150 + SHARDS + 72 + OPT_SHARDS + 96 + 224  # both gathers
+    # b's backward ends: its gradients (72) and the reduce-scatter's input (72); a not copied out yet.
+    assert at(fsdp, 7) == 120 + SHARDS + 72 + OPT_SHARDS + 2 * 72 + 224
+    # a's backward: a copied out (140), b's gradient shard (24); a's own gradients come as its backward runs.
+    assert at(fsdp, 8) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 224
     # The optimizer step: every gradient shard, nothing gathered, the last buffer freed.
     assert at(fsdp, 10) == SHARDS + OPT_SHARDS + 80
 
@@ -136,18 +137,19 @@ def test_bytes_at_each_moment_without_backward_prefetch() -> None:
         FSDPUnit(**{**A.__dict__, "backward_prefetch": []}), FSDPUnit(**{**B.__dict__, "backward_prefetch": []})
     )
     # b's backward gathers b alone; a is gathered when its own backward begins.
-    assert at(fsdp, 6) == 150 + SHARDS + 72 + OPT_SHARDS + 72 + 96
-    assert at(fsdp, 6, moment=True) == 150 + SHARDS + 72 + OPT_SHARDS + 72 + 96 + 96
+    assert at(fsdp, 6) == at(fsdp, 6, moment=True) == 150 + SHARDS + 72 + OPT_SHARDS + 96
     assert at(fsdp, 7) == 120 + SHARDS + 72 + OPT_SHARDS + 2 * 72 + 96
-    assert at(fsdp, 8, moment=True) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 140 + 224 + 96
+    assert at(fsdp, 8, moment=True) == 100 + SHARDS + 140 + OPT_SHARDS + 24 + 224 + 96
 
 
 def test_explicit_forward_prefetch_gathers_the_next_unit_early() -> None:
     fsdp = step(FSDPUnit(**{**A.__dict__, "forward_prefetch": ["1"]}), B)
-    # a's forward gathers b too: both gathered from event 1 on, both all-gathers at event 1.
-    assert at(fsdp, 1) == SHARDS + 140 + 72 + OPT_SHARDS + 80 + 224
-    assert at(fsdp, 1, moment=True) == SHARDS + 140 + 72 + OPT_SHARDS + 80 + 224 + 96
-    assert at(fsdp, 3, moment=True) == at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 224  # no gather at b
+    # a's forward issues b's all-gather too (both buffers at event 1); b's parameters are copied out at b's forward.
+    assert at(fsdp, 1) == SHARDS + 140 + OPT_SHARDS + 80 + 224
+    assert at(fsdp, 1, moment=True) == SHARDS + 140 + OPT_SHARDS + 80 + 224 + 96
+    # a's forward ends (a root's): b's issued buffer stays, its group holds it until b copies out.
+    assert at(fsdp, 2) == 100 + SHARDS + 140 + OPT_SHARDS + 80 + 96
+    assert at(fsdp, 3, moment=True) == at(fsdp, 3) == 100 + SHARDS + 72 + OPT_SHARDS + 80 + 96  # no gather at b
 
 
 def test_a_checkpoint_containing_units_keeps_them_gathered_after_its_recompute() -> None:
@@ -160,7 +162,9 @@ def test_a_checkpoint_containing_units_keeps_them_gathered_after_its_recompute()
     fsdp = ShardedStep(profile, ShardedLayout("fsdp2", 4, [A, B]))
     assert fsdp.recompute_gathers("", 5) == 0  # before its backward
     assert fsdp.recompute_gathers("", 6) == 140 + 72  # FSDP gathers neither yet; the recompute gathers both
-    assert fsdp.recompute_gathers("", 7) == 0  # b's backward gathers b, and prefetches a
+    # b's backward gathers b and issues a's all-gather, but a's parameters come out of it only at a's backward:
+    # until then the recompute holds a gathered beyond the plain step.
+    assert fsdp.recompute_gathers("", 7) == 140
     unprefetched = ShardedStep(
         profile, ShardedLayout("fsdp2", 4, [FSDPUnit(**{**u.__dict__, "backward_prefetch": []}) for u in (A, B)])
     )

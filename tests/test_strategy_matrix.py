@@ -2,7 +2,7 @@
 
 The strategies: one device, DDP, FSDP2, FSDP2 with its own mixed precision (``fsdp2-mp``: bf16 parameters gathered
 and computed, fp32 reduction, Lightning's "32-true"; the dry run computes as the unit casts), FSDP2 with
-``reshard_after_forward=False`` (``fsdp2-keep``), FSDP1.
+``reshard_after_forward=False`` (``fsdp2-keep``), HSDP on 4 ranks (``hsdp``: 2 x 2, replicate x shard), FSDP1.
 
 Each cell fits plain, then with AutoSAC at 80% of the cell's own measured plain per-rank peak (the highest over
 ranks and batches), on a tiny Hugging Face Llama (see ``sharded_fits``). Accept: a non-empty plan, identical on
@@ -31,8 +31,9 @@ def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str]
     by_size = {
         1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
         2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
+        4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp", "fsdp1"),
     }
-    strategies = by_size.get(world_size, ("ddp", "fsdp2", "fsdp1"))
+    strategies = by_size[world_size]
     out = Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_"))
     return run_cells(strategies, world_size, precisions, out)
 
@@ -40,11 +41,9 @@ def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str]
 def _cells() -> list:
     cells = [("single", 1)] + [(s, w) for s in ("ddp", "fsdp2", "fsdp1") for w in (1, 2, 4)]
     params = [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=pytest.mark.slow) for s, w in cells for p in PRECISIONS]
-    # FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under Lightning's "32-true": FSDP casts; and
-    # reshard_after_forward=False. On 4 ranks both are predicted 2.8% and 4.1% above their measured planned peak
-    # (conservative: the plans land 5-6% under their budget), the gap FSDP2 shows on 4 ranks in "32-true" too
-    # (docs/methodology.md): those cells wait for it to be closed.
-    extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-keep", 2)]
+    # FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under Lightning's "32-true" (FSDP casts, not
+    # autocast), reshard_after_forward=False, and HSDP (a 2 x 2 replicate x shard mesh).
+    extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-mp", 4), ("fsdp2-keep", 2), ("fsdp2-keep", 4), ("hsdp", 4)]
     return params + [pytest.param(s, w, "32-true", id=f"{s}-32-true-ws{w}", marks=pytest.mark.slow) for s, w in extra]
 
 

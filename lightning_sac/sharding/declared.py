@@ -112,6 +112,7 @@ def declared_layout(
                 gathered_bytes=sum(p.numel() * d.itemsize for p, d in zip(own, compute, strict=True)),
                 buffer_bytes=sum(n * world_size * d.itemsize for n, d in zip(shard_numel, compute, strict=True)),
                 grad_bytes=sum(own[i].numel() * reduce[i].itemsize for i in trainable),
+                compute_grad_bytes=sum(own[i].numel() * compute[i].itemsize for i in trainable),
                 grad_shard_bytes=sum(shard_numel[i] * own[i].element_size() for i in trainable),
                 param_bytes=sum(p.numel() * p.element_size() for p in own),
                 trainable=bool(trainable),

@@ -109,6 +109,8 @@ class FSDPUnit:
         scatter_bytes: Bytes of the reduce-scatter's input, a copy of its gradients that exists at the end of its
             backward; ``None``: ``grad_bytes``. 0 for a unit FSDP does not shard (FSDP1's ``NO_SHARD``, which it
             uses on one rank: its parameters are used in place and its gradients all-reduced in place).
+        compute_grad_bytes: Bytes of its unsharded gradients as autograd makes them, in the compute dtype (FSDP2:
+            each parameter's as its backward reaches it, as the dry run counts them); ``None``: ``grad_bytes``.
     """
 
     fqn: str
@@ -123,6 +125,7 @@ class FSDPUnit:
     forward_prefetch: list[str] = field(default_factory=list)
     backward_prefetch: list[str] | None = None
     scatter_bytes: int | None = None
+    compute_grad_bytes: int | None = None
 
 
 @dataclass
@@ -197,6 +200,11 @@ def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
                 gathered_bytes=gathered,
                 buffer_bytes=padded,
                 grad_bytes=sum(_nbytes(p._orig_size.numel(), d) for p, d in zip(trainable, reduce, strict=True)),
+                compute_grad_bytes=sum(
+                    _nbytes(p._orig_size.numel(), d)
+                    for p, d in zip(params, compute, strict=True)
+                    if p.sharded_param.requires_grad
+                ),
                 grad_shard_bytes=sum(_shard_bytes(p) for p in trainable),
                 param_bytes=sum(_nbytes(p._orig_size.numel(), p.sharded_param.dtype) for p in params),
                 trainable=bool(trainable),

@@ -9,10 +9,12 @@ and optimizer state are replaced by what FSDP keeps on one rank:
   when it does not reshard after forward (the root, by default); again from its backward (or from the backward
   of the unit before it in backward order, which prefetches it by default) until its backward ends;
 - FSDP2's flat all-gather buffer: a unit's parameters are copied out of it, and it stays alive until the next
-  all-gather (or the end of backward); at the moment of a gather the previous one is still alive too;
+  all-gather, the end of a root unit's forward, or the end of backward; at the moment of a gather the previous one
+  is still alive too;
 - gradients: outside backward, every unit's gradient shard (Lightning sets gradients to ``None`` just before
   backward, so during backward only the units done so far have theirs); during a unit's backward its unsharded
-  gradients, and at its end a second copy of them, the reduce-scatter's input;
+  gradients (FSDP2: each parameter's from when backward reaches it, as the dry run made them; FSDP1: the unit's
+  flat gradient whole), and at its end a second copy of them, the reduce-scatter's input;
 - optimizer state divided as the parameters are.
 
 A checkpointed module that contains units gathers them again for its recompute, at the start of its backward,
@@ -69,7 +71,9 @@ class ShardedStep:
     _param_bytes: int = field(init=False, repr=False)  # all units' parameters, gathered
     _shards: int = field(init=False, repr=False)  # all units' parameter shards on one rank
     _grad_shards: int = field(init=False, repr=False)  # all units' gradient shards on one rank
-    _backward_grads: dict[int, int] = field(init=False, repr=False)  # timeline index in backward -> gradient bytes
+    # timeline index in backward -> (finished units' gradient shards, their unsharded gradients as the dry run
+    # counts them, the reduce-scatter inputs of the units ending there)
+    _backward_grads: dict[int, tuple[int, int, int]] = field(init=False, repr=False)
     _recompute_series: dict[str, list[int]] = field(init=False, repr=False)  # fqn -> recompute_gathers per index
 
     def __post_init__(self) -> None:
@@ -105,6 +109,7 @@ class ShardedStep:
         by = 1 if self.layout.kind == "fsdp2" else 0
         order = sorted(range(len(units)), key=lambda i: spans[i][by])
         self._gathered, self._starts = [], {}
+        buffer_starts: list[list[int]] = []
         for i, u in enumerate(units):
             fwd_pre, fwd_post, bwd_pre, bwd_post = spans[i]
             fwd_start = min([fwd_pre] + [spans[fqns[p.fqn]][0] for p in units if u.fqn in p.forward_prefetch])
@@ -116,21 +121,31 @@ class ShardedStep:
             else:
                 prefetchers = [spans[fqns[p.fqn]][2] for p in units if u.fqn in (p.backward_prefetch or [])]
                 bwd_start = min([bwd_start, *prefetchers])
+            # A prefetch issues the all-gather (its buffer) early; FSDP2 copies the parameters out of it only when
+            # the unit's own forward or backward begins (``wait_for_unshard``), FSDP1 gathers into them at once.
+            copy_fwd, copy_bwd = (fwd_pre, bwd_pre) if self.layout.kind == "fsdp2" else (fwd_start, bwd_start)
             if u.reshard_after_forward:
-                intervals = [(fwd_start, fwd_post), (bwd_start, bwd_post)]
+                intervals, starts = [(copy_fwd, fwd_post), (copy_bwd, bwd_post)], [fwd_start, bwd_start]
             else:
-                intervals = [(fwd_start, bwd_post)]
+                intervals, starts = [(copy_fwd, bwd_post)], [fwd_start]
             self._gathered.append(intervals)
-            for start, _ in intervals:
+            buffer_starts.append(starts)
+            for start in starts:
                 self._starts[start] = self._starts.get(start, 0) + u.buffer_bytes
         # FSDP2 keeps the last all-gather's buffer until the next one (when several start together, the largest
-        # is counted), and frees it when backward ends.
+        # is counted); a root's post-forward frees it (``FSDPState._post_forward``, for the forward's root state),
+        # and so does the end of backward.
         largest = {
-            k: max(u.buffer_bytes for u, iv in zip(units, self._gathered, strict=True) if any(a == k for a, _ in iv))
-            for k in self._starts
+            k: max(u.buffer_bytes for u, st in zip(units, buffer_starts, strict=True) if k in st) for k in self._starts
         }
+        roots = [u.fqn for u in units if not any(o.fqn != u.fqn and _inside(u.fqn, o.fqn) for o in units)]
+        root_ends = {first[("fwd_post", fqn)] for fqn in roots if ("fwd_post", fqn) in first}
         self._held, held = [], 0
         for k in range(len(timeline)):
+            if k in root_ends:
+                # What a prefetch issued and the unit has not copied out yet stays: its group still holds it.
+                issued = zip(units, buffer_starts, spans, strict=True)
+                held = max((u.buffer_bytes for u, st, sp in issued if st[0] < k < sp[0]), default=0)
             held = 0 if k >= bwd_end else largest.get(k, held)
             self._held.append(held)
         # What bytes_at sums at every call but depends on the timeline index alone, once (the solver asks at every
@@ -155,8 +170,21 @@ class ShardedStep:
         units = self.layout.units
         if self._phase[k] != "backward":
             return self._grad_shards if snapshot.get("gradient", 0) > 0 else 0
-        if k in self._backward_grads:
-            return self._backward_grads[k]
+        if self.layout.kind == "fsdp2":
+            # FSDP2's unsharded gradients are the parameters' own, each made as backward reaches it: those of the
+            # units still in backward are what the dry run holds less what the finished units made.
+            if k not in self._backward_grads:
+                shards = made = scatters = 0
+                for u, (_, end) in zip(units, self._bwd, strict=True):
+                    if end < k:
+                        shards += u.grad_shard_bytes
+                        made += u.grad_bytes if u.compute_grad_bytes is None else u.compute_grad_bytes
+                    elif k == end:  # at its end, the reduce-scatter's input
+                        scatters += u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
+                self._backward_grads[k] = (shards, made, scatters)
+            shards, made, scatters = self._backward_grads[k]
+            return shards + max(0, snapshot.get("gradient", 0) - made) + scatters
+        # FSDP1's flat gradient of a unit comes whole: from the unit's backward on.
         total = 0
         for u, (start, end) in zip(units, self._bwd, strict=True):
             if end < k:
@@ -164,7 +192,6 @@ class ShardedStep:
             elif start <= k:
                 scatter = u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
                 total += u.grad_bytes + (scatter if k == end else 0)  # at its end, the reduce-scatter's input
-        self._backward_grads[k] = total
         return total
 
     def bytes_at(self, k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:

@@ -77,3 +77,17 @@ def test_declared_mixed_precision_and_tied_parameters(fake_world: None) -> None:
 def test_a_pattern_naming_no_module_says_what_to_give() -> None:
     with pytest.raises(ValueError, match=r"'blocks\.\*' name no module of the model.*model\.layers\.\*"):
         declared_layout(tiny_llama(), ["blocks.*"], 4)
+
+
+def test_on_one_rank_fsdp2_has_no_all_gather_buffer() -> None:
+    # World size 1: FSDP2 copies the shards straight into the unsharded parameters, with no all-gather.
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        model = tiny_llama()
+        _shard(model, declared_units(model, ["model.layers.*"]))
+        real = sharded_layout(model)
+    finally:
+        dist.destroy_process_group()
+    declared = declared_layout(tiny_llama(), ["model.layers.*"], 1)
+    assert real == declared
+    assert all(u.buffer_bytes == 0 and u.gathered_bytes == u.param_bytes > 0 for u in declared.units)

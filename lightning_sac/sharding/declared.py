@@ -9,7 +9,8 @@ compares the two on a model sharded over torch's fake process group):
 - a unit manages the parameters of its module that no unit inside it manages (a parameter shared by two modules,
   once, by the first unit that reaches it);
 - each parameter is sharded on dim 0, padded to a multiple of the world size: its shard is ``ceil(d0 / N)`` rows;
-  FSDP's all-gather fills a flat buffer of every rank's padded shard, then copies out the unpadded parameters;
+  FSDP's all-gather fills a flat buffer of every rank's padded shard, then copies out the unpadded parameters (on
+  one rank there is no all-gather: the shards are copied into the parameters);
 - parameters are gathered in ``param_dtype`` (their own dtype when ``None``) and gradients reduced in
   ``reduce_dtype`` (``param_dtype`` when ``None``); shards and sharded gradients keep the parameters' dtype;
 - a unit reshards after forward, except a root (a unit inside no other unit), which ``fully_shard``'s default keeps
@@ -110,7 +111,9 @@ def declared_layout(
                 fqn=fqn,
                 shard_bytes=sum(n * p.element_size() for n, p in zip(shard_numel, own, strict=True)),
                 gathered_bytes=sum(p.numel() * d.itemsize for p, d in zip(own, compute, strict=True)),
-                buffer_bytes=sum(n * world_size * d.itemsize for n, d in zip(shard_numel, compute, strict=True)),
+                buffer_bytes=sum(n * world_size * d.itemsize for n, d in zip(shard_numel, compute, strict=True))
+                if world_size > 1
+                else 0,  # one rank: FSDP2 copies the shards into the parameters, with no all-gather buffer
                 grad_bytes=sum(own[i].numel() * reduce[i].itemsize for i in trainable),
                 compute_grad_bytes=sum(own[i].numel() * compute[i].itemsize for i in trainable),
                 grad_shard_bytes=sum(shard_numel[i] * own[i].element_size() for i in trainable),

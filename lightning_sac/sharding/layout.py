@@ -181,10 +181,13 @@ def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
             shard = sum(_shard_bytes(p) for p in params)
             compute = [mp.param_dtype or p.sharded_param.dtype for p in params]
             gathered = sum(_nbytes(p._orig_size.numel(), d) for p, d in zip(params, compute, strict=True))
+            # The all-gather's flat output; on one rank FSDP2 gathers nothing and copies the shards straight into
+            # the unsharded parameters (FSDPParamGroup.unshard and wait_for_unshard for world size 1).
             padded = sum(
                 _nbytes(p.padded_sharded_param_size.numel() * mesh.shard_mesh_size, d)
                 for p, d in zip(params, compute, strict=True)
             )
+            padded = padded if mesh.shard_mesh_size > 1 else 0
             trainable = [p for p in params if p.sharded_param.requires_grad]
             reduce = [
                 mp.reduce_dtype or d for d, p in zip(compute, params, strict=True) if p.sharded_param.requires_grad

@@ -14,6 +14,7 @@ printed by ``benchmarks/``.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import nn
 
 from lightning_sac import ModelProfile, ModuleOpStats, profile_model
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
+from lightning_sac.dryrun.cpu.scratch_store import CACHE_DIR_ENV
 from lightning_sac.solver.tradeoff import module_tradeoff
 
 
@@ -35,6 +37,19 @@ def _no_panels_left_in_the_working_directory():  # noqa: ANN202
     existed = logs.exists()
     yield
     assert existed or not logs.exists(), f"a test left {logs}: give its Trainer default_root_dir=tmp_path"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_scratch_cached_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN202
+    # The dry run keeps measured CPU kernel scratch in the user's cache directory: the tests keep theirs in a
+    # directory of this session (subprocesses inherit it), never in the real home or the repository.
+    previous = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("lightning_sac_cache"))
+    yield
+    if previous is None:
+        del os.environ[CACHE_DIR_ENV]
+    else:
+        os.environ[CACHE_DIR_ENV] = previous
 
 
 # The mode the session started in: a module-scoped fixture's fit can turn it on before a test's own fixture runs.

@@ -228,7 +228,7 @@ class _Seen(TorchDispatchMode):
 
 
 def test_each_signature_is_measured_once_on_the_kernel_unseen_by_the_dry_runs_modes():
-    scratch = KernelScratch()
+    scratch = KernelScratch(cache_dir=None)  # measured here, not answered by a disk cache
     with FakeTensorMode() as fake:
         grad, x, w, rest = _conv_backward_args(2, 64, 256, 16, 1)
         grad, x, w = (fake.from_tensor(t) for t in (grad, x, w))
@@ -266,7 +266,7 @@ def test_an_oversize_signature_is_charged_the_bound_without_running(monkeypatch)
         raise AssertionError("an oversize signature must not be allocated")
 
     monkeypatch.setattr(KernelScratch, "_measure", staticmethod(refuse))
-    scratch = KernelScratch()  # 1 GiB, or a quarter of free memory
+    scratch = KernelScratch(cache_dir=None)  # 1 GiB, or a quarter of free memory
     with FakeTensorMode():  # a 1x1 expansion on 8 x 64 x 1024 x 1024: 2 GiB of input, 8 GiB of output gradient
         grad, x, w, rest = _conv_backward_args(8, 64, 256, 1024, 1)
     args = (grad, x, w, *rest, [True, True, True])
@@ -288,7 +288,7 @@ def test_an_oversize_signature_is_charged_the_bound_without_running(monkeypatch)
 
 
 def test_under_a_running_profiler_the_bound_stands_uncached():
-    scratch = KernelScratch()
+    scratch = KernelScratch(cache_dir=None)  # measured here, not answered by a disk cache
     grad, x, w, rest = _conv_backward_args(2, 16, 16, 8, 3)
     args = (grad, x, w, *rest, [True, True, True])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):

@@ -20,6 +20,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from lightning_sac.adapters import CacheSwitch
 from lightning_sac.devices import DeviceSpec
+from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.conv_workspace import cuda_workspace
 from lightning_sac.dryrun.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.dryrun.modules.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
@@ -288,6 +289,8 @@ def record_step(
                     )
         finally:
             recorder.close()
+            if cpu:
+                kernel_scratch.save()  # what this dry run measured, for the next process on this host
     return RecordedStep(
         recorder, fmodel, watch, caches, flags, replaced, optimizers, placeholders.sites, routing=routing.calls
     )

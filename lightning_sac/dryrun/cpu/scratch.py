@@ -8,14 +8,22 @@ on the kernel oneDNN picks for the shapes, layout, dtype and thread count, not o
 from the kernel: the first call of each signature (op, shapes, strides, dtypes, every other argument, thread
 count) runs once on zero-filled real tensors of the same layout, and the allocator's events during the call give
 its peak beyond the outputs it returns. The answer is cached for the process, so a network of many identical
-blocks, a later dry run and a re-plan for another batch shape measure nothing twice. A plan reused from a
-checkpoint or ``plan_path`` needs no dry run, hence no measurement.
+blocks, a later dry run and a re-plan for another batch shape measure nothing twice, and on disk in the user's
+cache directory (:mod:`lightning_sac.dryrun.cpu.scratch_store`), so that a re-run of a script, each rank of a DDP
+job and a resumed fit measure nothing their host measured before. A plan reused from a checkpoint or
+``plan_path`` needs no dry run, hence no measurement.
 
 The measurement runs outside the dry run's fake mode and every dispatch and function mode, without autograd or
 autocast, and draws no random numbers: the dry run, the model and the random stream see nothing of it. A signature
 whose operands would take more than :func:`probe_limit_bytes` (1 GiB, or a quarter of the host's free memory when
-that is less), or that arrives while a profiler is already recording, is not run: it is charged
-:func:`scratch_bound`, an upper bound of every signature measured above 4 MiB (docs/benchmarks.md).
+that is less), or that arrives while a profiler is already recording and is in neither cache, is not run: it is
+charged :func:`scratch_bound`, an upper bound of every signature measured above 4 MiB (docs/benchmarks.md).
+
+What a first measurement costs is the kernel's call, which is small (32 signatures of a bottleneck ResNet: 13 to
+21 ms on one thread), and on several threads the wait of each parallel region for its OpenMP workers: 20 to 30 ms
+a signature on two threads of a host whose other core is busy, also when the calls run back to back, while filling
+the zeros takes 2% of it (docs/benchmarks.md). The thread count is part of the answer, so it cannot be lowered for
+the measurement; the disk cache is what makes a fresh process as fast as before the scratch was measured.
 """
 
 from __future__ import annotations
@@ -24,12 +32,15 @@ import gc
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.autograd import profiler_legacy
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_sac.dryrun.cpu.scratch_store import ScratchStore, default_cache_dir
 
 __all__ = ["MEASURED_OPS", "KernelScratch", "kernel_scratch", "peak_beyond", "probe_limit_bytes", "scratch_bound"]
 
@@ -167,20 +178,44 @@ def _zeros_like(x: Any) -> Any:
     return base.as_strided(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()))
 
 
+_DEFAULT_DIR: Any = object()  # the cache directory of the environment at first use (default_cache_dir)
+
+
 class KernelScratch:
-    """The scratch of :data:`MEASURED_OPS` calls, measured once per signature and cached.
+    """The scratch of :data:`MEASURED_OPS` calls, measured once per signature and cached in the process and on disk.
 
     Args:
         limit_bytes: Operands above this many bytes are not allocated; ``None``: :func:`probe_limit_bytes`.
+        cache_dir: The directory of the disk cache; ``None``: none. By default :func:`default_cache_dir` when the
+            first signature is looked up (``$LIGHTNING_SAC_CACHE_DIR``, else the user's cache directory).
 
     Attributes:
         measured: How many signatures were run on the kernel.
+        loaded: How many signatures were answered by the disk cache.
     """
 
-    def __init__(self, *, limit_bytes: int | None = None) -> None:
+    def __init__(self, *, limit_bytes: int | None = None, cache_dir: str | os.PathLike[str] | None = _DEFAULT_DIR):
         self.limit_bytes = limit_bytes
         self.measured = 0
+        self.loaded = 0
         self._cache: dict[Any, int] = {}
+        self._cache_dir = cache_dir
+        self._store: ScratchStore | None = None
+        self._stored: dict[str, int] | None = None  # the disk cache's entries, read on the first miss
+        self._unsaved: dict[str, int] = {}
+
+    def _from_disk(self, key: Any) -> int | None:
+        if self._stored is None:
+            directory = default_cache_dir() if self._cache_dir is _DEFAULT_DIR else self._cache_dir
+            self._store = None if directory is None else ScratchStore(Path(directory))
+            self._stored = {} if self._store is None else self._store.load()
+        return self._stored.get(repr(key))
+
+    def save(self) -> None:
+        """Write the signatures measured since the last save to the disk cache (a dry run's end calls it)."""
+        if self._store is not None and self._unsaved:
+            self._store.save(self._unsaved)
+        self._unsaved = {}
 
     def __call__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int | None:
         """Bytes ``func`` allocates and frees within this call on this CPU, or ``None`` if it is not measured."""
@@ -188,24 +223,40 @@ class KernelScratch:
             return None
         # oneDNN's per-thread buffers and its choice of kernel follow the thread count (a channels-last 1x1 expansion's
         # backward holds nothing on one thread, 136 KiB on two, 1 MiB on sixteen), and PyTorch's choice of backend
-        # whether oneDNN is enabled: both are part of the signature, measured as the process runs now.
+        # whether oneDNN is enabled: both are part of the signature, measured as the process runs now; so are the
+        # switches that select oneDNN's kernels (deterministic ones, a reduced fp32 precision).
         signature = (_signature(args), _signature(tuple(sorted(kwargs.items()))))
-        key = (func, signature, torch.get_num_threads(), torch.backends.mkldnn.enabled)
+        settings = (
+            torch.get_num_threads(),
+            torch.backends.mkldnn.enabled,
+            torch.backends.mkldnn.deterministic,
+            torch.are_deterministic_algorithms_enabled(),
+            # The reduced-precision switch of oneDNN's convolutions (torch 2.9 on; absent before).
+            getattr(getattr(torch.backends.mkldnn, "conv", None), "fp32_precision", None),
+        )
+        key = (str(func), signature, settings)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
+        stored = self._from_disk(key)
+        if stored is not None:
+            self.loaded += 1
+            self._cache[key] = stored
+            return stored
         limit = probe_limit_bytes() if self.limit_bytes is None else self.limit_bytes
         # A second profiler cannot start while one records (a measured step of a fit): bound it, uncached.
         if _operand_bytes(args, kwargs, out) > limit or torch.autograd._profiler_enabled():
             return scratch_bound(func, args, kwargs, out)
         try:
-            self._cache[key] = self._measure(func, args, kwargs)
+            scratch = self._measure(func, args, kwargs)
         except RuntimeError:
-            # Zeros are valid operands of every measured op; should a kernel still refuse them, the bound stands.
+            # Zeros are valid operands of every measured op; should a kernel still refuse them, the bound stands
+            # (for the process only: another torch may take them).
             self._cache[key] = scratch_bound(func, args, kwargs, out)
             return self._cache[key]
         self.measured += 1
-        return self._cache[key]
+        self._cache[key] = self._unsaved[repr(key)] = scratch
+        return scratch
 
     @staticmethod
     def _measure(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -224,4 +275,4 @@ class KernelScratch:
 
 
 kernel_scratch = KernelScratch()
-"""The process's cache: every dry run on the CPU target measures through it."""
+"""The process's cache: every dry run on the CPU target measures through it, and saves to the disk cache after."""

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_sac.cli.args import UsageError, notice
 from lightning_sac.dryrun import ModelProfile
-from lightning_sac.sharding.declared import declared_layout, declared_units
+from lightning_sac.sharding import declared_layout, declared_units
 
 __all__ = ["add_sharding_arguments", "declare_units"]
 

@@ -6,6 +6,7 @@ fingerprint names. What each rank then holds is the solver's (:mod:`lightning_sa
 
 from __future__ import annotations
 
+from lightning_sac.sharding.declared import declared_layout, declared_units
 from lightning_sac.sharding.layout import (
     FSDPUnit,
     ShardedLayout,
@@ -21,6 +22,8 @@ __all__ = [
     "FSDPUnit",
     "ShardedLayout",
     "clean_fqn",
+    "declared_layout",
+    "declared_units",
     "is_fsdp_hook",
     "is_sharded",
     "sharded_layout",

@@ -7,8 +7,8 @@ reduction), ``reshard_after_forward=False``, and HSDP over a 2 x 2 mesh. Everyth
 0 of torch's ``fake`` process group of that world size: its collectives move no data but allocate as real ones do,
 so rank 0's memory is a real rank's (the matrix's multi-process fits measure the same figures to the byte).
 
-- measured: torch.profiler's allocator events of the second real step (the first makes AdamW's state), from the
-  bytes of the tensors alive when it begins;
+- measured: torch.profiler's allocator events of the second real step (the first makes AdamW's state), the
+  profiler started before the model exists;
 - ours: ``profile_step`` (Lightning's order) on the sharded model, and the plan's unplanned per-rank peak
   (``solve_plan``);
 - torch: ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` around two steps of the same sharded model
@@ -33,12 +33,11 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.profiler import ProfilerActivity  # noqa: E402
+from torch.profiler import ProfilerActivity, record_function  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from lightning_sac import solve_plan  # noqa: E402
-from lightning_sac.dryrun.measured import QuietProfile, memory_events, peak_from_events, unique_bytes  # noqa: E402
+from lightning_sac.dryrun.measured import QuietProfile  # noqa: E402
 from lightning_sac.profiling import profile_step  # noqa: E402
 
 CELLS = [
@@ -80,19 +79,26 @@ def llama() -> torch.nn.Module:
 def batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 128, (4, 128), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    # No attention mask: Hugging Face reads an all-ones mask's values on the host, which FakeTensorMode (the tracker's)
+    # cannot answer; without one the model builds the same causal mask.
+    return {"input_ids": ids, "labels": ids}
 
 
-def shard(model: torch.nn.Module, variant: str, world: int) -> None:
-    kw: dict[str, Any] = {}
+def make_mesh(variant: str, world: int) -> Any:
+    """The cell's device mesh: HSDP's 2 x (world / 2) replicate x shard, else one dimension of ``world`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if variant == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def shard(model: torch.nn.Module, variant: str, mesh: Any) -> None:
+    kw: dict[str, Any] = {"mesh": mesh}
     if variant == "fsdp2-mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if variant == "fsdp2-keep":
         kw["reshard_after_forward"] = False
-    if variant == "hsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kw["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -107,28 +113,31 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[
     optimizer.step()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def measured(variant: str, precision: str, world: int) -> int:
-    model, inputs = llama(), batch()
-    shard(model, variant, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step(model, optimizer, inputs, precision)
-    alive = [_local(p) for p in model.parameters()] + [_local(b) for b in model.buffers()]
-    alive += [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    alive += [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    baseline = unique_bytes(alive + list(inputs.values()))
+    """The second step's peak, from a profiler started before the model exists: every block's size is known to it
+    (a profiler started later is not told the sizes of older blocks' frees, such as the gradients ``zero_grad``
+    drops)."""
     gc.collect()
     with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model, inputs = llama(), batch()
+        shard(model, variant, make_mesh(variant, world))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step(model, optimizer, inputs, precision)
-    return peak_from_events(memory_events(prof, "cpu"), baseline).peak_bytes
+        with record_function("measured step"):
+            step(model, optimizer, inputs, precision)
+    events = list(prof.profiler.kineto_results.events())
+    window = next(e for e in events if e.name() == "measured step")
+    alive = peak = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        alive += e.nbytes()
+        if window.start_ns() <= e.start_ns() <= window.end_ns():
+            peak = max(peak, alive)
+    return peak
 
 
 def ours(variant: str, precision: str, world: int) -> int:
     model = llama()
-    shard(model, variant, world)
+    shard(model, variant, make_mesh(variant, world))
     profile = profile_step(
         model,
         batch(),
@@ -138,7 +147,7 @@ def ours(variant: str, precision: str, world: int) -> int:
         autocast_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
         lightning_order=True,  # gradients set to None just before backward, as step() does
     )
-    plan = solve_plan(profile, 1000.0, world_size=world, sharding="sharded" if world > 1 else "replicated")
+    plan = solve_plan(profile, 1000.0, world_size=world, sharding="sharded")
     return plan.unconstrained_peak_bytes
 
 
@@ -146,9 +155,10 @@ def torch_tracker(variant: str, precision: str, world: int) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    mesh = make_mesh(variant, world)  # outside the fake mode: a mesh reads its ranks on the host
     with FakeTensorMode():
         model, inputs = llama(), batch()
-        shard(model, variant, world)
+        shard(model, variant, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((inputs,))

@@ -4,7 +4,7 @@ Runs the cells of ``tests/test_strategy_matrix.py`` (``tests/sharded_fits.py``: 
 plain and then with AutoSAC at 80% of its own measured per-rank peak, every rank measured by torch.profiler) and
 prints, per cell, the prediction's error for the plain and the planned step and the planned peak over the budget.
 
-    python benchmarks/strategy_matrix.py            # world sizes 1, 2 and 4 (about 3 minutes on 2 cores)
+    python benchmarks/strategy_matrix.py            # world sizes 1, 2 and 4 (about 6 minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -18,7 +18,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from sharded_fits import run_cells  # noqa: E402
 
-NAMES = {"single": "single device", "ddp": "DDP", "fsdp2": "FSDP2", "fsdp1": "FSDP1"}
+NAMES = {
+    "single": "single device",
+    "ddp": "DDP",
+    "fsdp2": "FSDP2",
+    "fsdp2-mp": "FSDP2, bf16 parameters, fp32 reduction",
+    "fsdp2-keep": "FSDP2, `reshard_after_forward=False`",
+    "hsdp": "HSDP 2 x 2",
+    "fsdp1": "FSDP1",
+}
+# The strategies of each world size, as tests/test_strategy_matrix.py runs them (the FSDP2 variants in "32-true").
+STRATEGIES = {
+    1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
+    2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
+    4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp", "fsdp1"),
+}
 
 
 def main() -> None:
@@ -29,7 +43,7 @@ def main() -> None:
     print("| strategy | precision | ranks | plain | planned | planned / budget |")
     print("|---|---|---|---|---|---|")
     for ws in args.world_sizes:
-        strategies = ("single", "ddp", "fsdp2", "fsdp1") if ws == 1 else ("ddp", "fsdp2", "fsdp1")
+        strategies = STRATEGIES[ws]
         out = Path(tempfile.mkdtemp(prefix=f"strategy_matrix_ws{ws}_"))
         for (strategy, precision), ranks in run_cells(strategies, ws, ("32-true", "bf16-mixed"), out).items():
             plain = max(max(r.plain_peaks) for r in ranks)

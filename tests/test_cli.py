@@ -369,6 +369,7 @@ def test_a_factory_may_return_a_keyword_batch(tmp_path, capsys):
     assert plan.decisions and plan.predicted_peak_bytes <= plan.budget_bytes and plan.kv_cache_off
 
 
+@pytest.mark.slow  # three plans of the demo GPT; the units themselves: tests/test_declared_units.py
 def test_fsdp_units_count_what_each_unit_gathers(tmp_path, capsys):
     # The demo GPT sharded per block over 8 devices: the plan counts each block's gathered parameters as FSDP2
     # holds them, on top of the evenly divided states, and equals solve_plan on the same profile with the units.

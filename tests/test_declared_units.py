@@ -48,7 +48,7 @@ def _shard(model: nn.Module, units: list[str], mp: MixedPrecisionPolicy | None =
     fully_shard(model, **kw)
 
 
-@pytest.mark.parametrize("patterns", [["model.layers.*"], ["LlamaAttention", "LlamaMLP"], ["model.layers.0"]])
+@pytest.mark.parametrize("patterns", [["model.layers.*"], ["LlamaAttention", "LlamaMLP", "model.layers.0"]])
 def test_declared_units_are_those_fully_shard_makes(fake_world: None, patterns: list[str]) -> None:
     declared_model = tiny_llama()
     declared = declared_layout(declared_model, patterns, WORLD)

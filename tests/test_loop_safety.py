@@ -96,6 +96,7 @@ def test_a_corrupt_plan_file_is_reported_and_replaced(tmp_path: Path, plain_peak
     assert Plan.from_json(path.read_text()) == cb.plan
 
 
+@pytest.mark.slow  # two fits; the quick tier's fits measure with AutoSAC's measurement throughout (test_callback)
 def test_own_measurement_agrees_with_an_independent_one(tmp_path: Path, plain_peak: int) -> None:
     """AutoSAC's measurement of the second step against BatchPeaks' of the same step in an identical fit.
 

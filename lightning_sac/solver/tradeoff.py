@@ -148,30 +148,51 @@ def recompute_units(stats: ModuleOpStats, backend: str = "sac") -> tuple[list[Re
     return candidates, stored
 
 
+def _fit_with_breaks(x: np.ndarray, y: np.ndarray, breaks: list[float]) -> tuple[float, np.ndarray]:
+    """The continuous piecewise-linear least-squares fit with these breaks: its squared residuals, its break values.
+
+    pwlf's ``fit_with_breaks`` and ``predict``, without importing pwlf (and scipy, about 1-2 s): its regression
+    matrix (a constant, ``x - breaks[0]``, and a hinge ``max(x - b, 0)`` at each inner break), solved by LAPACK's
+    ``gelsd`` as pwlf's default asks; the residuals summed directly.
+    """
+
+    def matrix(at: np.ndarray) -> np.ndarray:
+        hinges = [np.where(at > b, at - b, 0.0) for b in breaks[1:-1]]
+        return np.vstack([np.ones_like(at), at - breaks[0], *hinges]).T
+
+    a = matrix(x)
+    beta = np.linalg.lstsq(a, y, rcond=None)[0]
+    residuals = a @ beta - y
+    return float(residuals @ residuals), matrix(np.asarray(breaks)) @ beta
+
+
 def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
     """Continuous piecewise-linear least-squares fit with breaks at curve points; returns slopes, intercepts, breaks."""
-    import pwlf  # imports scipy (about 2 s): only a plan's fit needs it, not every start of lightning-sac
-
     n_segments = max(1, min(n_segments, len(x) - 1))
-    model = pwlf.PiecewiseLinFit(x, y)
     interior = x[1:-1]
     if math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS:
         best: tuple[float, list[float]] | None = None
         for inner in itertools.combinations(interior, n_segments - 1):
             breaks = [float(x[0]), *map(float, inner), float(x[-1])]
-            ssr = float(model.fit_with_breaks(breaks))
+            ssr = _fit_with_breaks(x, y, breaks)[0]
             if best is None or ssr < best[0] - 1e-15:
                 best = (ssr, breaks)
         assert best is not None
-        model.fit_with_breaks(best[1])
-    else:
-        # pwlf seeds numpy's global generator; keep the user's stream as it was.
-        state = np.random.get_state()
-        try:
-            model = pwlf.PiecewiseLinFit(x, y, seed=0)
-            model.fitfast(n_segments, pop=4)
-        finally:
-            np.random.set_state(state)
+        breaks = best[1]
+        at_breaks = _fit_with_breaks(x, y, breaks)[1]
+        b = np.asarray(breaks)
+        slopes = np.diff(at_breaks) / np.diff(b)
+        intercepts = at_breaks[:-1] - slopes * b[:-1]
+        return list(map(float, slopes)), list(map(float, intercepts)), breaks
+    import pwlf  # imports scipy: only a fit with too many breaks to try them all needs it
+
+    # pwlf seeds numpy's global generator; keep the user's stream as it was.
+    state = np.random.get_state()
+    try:
+        model = pwlf.PiecewiseLinFit(x, y, seed=0)
+        model.fitfast(n_segments, pop=4)
+    finally:
+        np.random.set_state(state)
     return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
 
 

@@ -23,7 +23,7 @@ from lightning_sac import ModelProfile, ModuleOpStats
 from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
 from lightning_sac.solver import knapsack
 from lightning_sac.solver.candidates import _Transient, _transient_line, find_candidates, related
-from lightning_sac.solver.highs import new_highs
+from lightning_sac.solver.highs import integer_start, new_highs
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
     _held,
@@ -31,9 +31,10 @@ from lightning_sac.solver.memory_model import (
     checkpoint_state_bytes,
     device_model,
     memory_constraints,
+    peak_with_plan,
 )
 from lightning_sac.solver.recompute import recompute_costs, recompute_transient
-from lightning_sac.solver.rows import MIB, add_candidates, clean, memory_rows, related_pairs
+from lightning_sac.solver.rows import MIB, Milp, add_candidates, clean, memory_rows, related_pairs
 from lightning_sac.solver.sharded_memory import ShardedStep
 from lightning_sac.solver.tradeoff import _MAX_EXHAUSTIVE_FITS, _fit_lines, effective_memory, module_tradeoff
 
@@ -307,3 +308,44 @@ def test_fits_are_pwlfs_to_the_bit(profile: ModelProfile, n_segments: int) -> No
         assert _fit_lines(x, y, n_segments) == pwlf_exhaustive_fit(x, y, n_segments)
         checked += 1
     assert checked >= 3
+
+
+def test_a_milp_built_once_is_the_milp_built_at_each_limit_and_starts_from_the_last_plan(profile: ModelProfile) -> None:
+    cands = find_candidates(profile)
+    constraints = memory_constraints(profile, {c.fqn: c.window for c in cands}, world_size=1, sharding="replicated")
+    unconstrained = peak_with_plan(constraints, {}, {}) / MIB
+    limits = [0.9 * unconstrained, 0.8 * unconstrained]
+    milp = Milp(cands, constraints, ({}, {}, {}), bound=True)
+    objectives = []
+    start = None
+    for limit in limits:
+        h = new_highs(time_limit_s=10.0, mip_gap=1e-2)
+        y, r = milp.at(limit, h)
+        direct = new_highs(time_limit_s=10.0, mip_gap=1e-2)
+        dy, dr, rc = add_candidates(direct, cands)
+        memory_rows(direct, cands, constraints, dy, dr, limit, bound=True)
+        direct.setObjective(direct.qsum(rc), highspy.ObjSense.kMinimize)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(lp_arrays(h), lp_arrays(direct), strict=True))
+        assert y == {j: v.index for j, v in dy.items()} and r == {j: v.index for j, v in dr.items()}
+        if start is not None:  # the first plan's candidates, as solve_plan's next solve starts
+            h.setSolution(len(start[0]), *start)
+        h.run()
+        assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+        start = integer_start(h)
+        assert len(start[0]) >= len(cands) and set(start[1].tolist()) <= {0.0, 1.0}
+        direct.run()
+        objectives.append((h.getInfo().objective_function_value, direct.getInfo().objective_function_value))
+    (first, first_direct), (second, second_direct) = objectives
+    assert first == first_direct and 0 < first < second  # the lower limit costs more recompute
+    assert second == pytest.approx(second_direct, rel=1e-2)  # within the MIP gap of the solve from nothing
+
+
+def lp_arrays(h: highspy.Highs) -> list[np.ndarray]:
+    """The model's arrays, its matrix by rows with each row's entries in column order (as a model passed whole)."""
+    h.ensureRowwise()
+    lp = h.getLp()
+    a = lp.a_matrix_
+    start, index, value = (np.asarray(v) for v in (a.start_, a.index_, a.value_))
+    order = np.concatenate([start[i] + np.argsort(index[start[i] : start[i + 1]]) for i in range(lp.num_row_)])
+    arrays = (start, index[order], value[order], lp.row_lower_, lp.row_upper_, lp.col_cost_, lp.col_upper_)
+    return [np.asarray(v) for v in arrays]

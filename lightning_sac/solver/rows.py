@@ -7,6 +7,7 @@ lines); one row per pair of nested candidates; and one memory row per moment of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import highspy
@@ -15,7 +16,7 @@ import numpy as np
 from lightning_sac.solver.candidates import Candidate
 from lightning_sac.solver.memory_model import MemoryConstraint
 
-__all__ = ["MIB", "add_candidates", "clean", "memory_rows", "related_pairs"]
+__all__ = ["MIB", "Milp", "add_candidates", "clean", "memory_rows", "related_pairs"]
 
 MIB = 2**20
 
@@ -96,8 +97,8 @@ def memory_rows(
     r: Any,
     limit_mib: Any,
     bound: bool = True,
-) -> None:
-    """The memory rows; a recompute's transient is its bound, or (``bound=False``) its line in the discard ratio.
+) -> np.ndarray:
+    """Add the memory rows and return their indices; a recompute's transient is its bound, or its line (``bound``).
 
     Each row is ``base - sum(freed) + sum(kept) + transient <= limit_mib`` (a number, or a variable), where a
     checkpointed candidate frees ``retained - (1 - r) * ACM`` (0 when not checkpointed: ``ACM * r - (ACM - retained)
@@ -116,10 +117,14 @@ def memory_rows(
         acm = c.tradeoff.total_memory
         negated_freed[c.fqn] = ((r[c.fqn].index, -clean(acm / MIB)), (y[c.fqn].index, clean((acm - c.retained) / MIB)))
 
+    kept_of: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}  # consecutive moments share one
+
     def held_key(con: MemoryConstraint) -> tuple[frozenset[str], tuple[tuple[str, int], ...]]:
         """What of ``con`` the variable stands for: its absent candidates and kept inputs among ``cands``."""
         absent = con.absent if con.absent <= names else con.absent & names
-        return absent, tuple((j, b) for j, b in con.kept if j in names)
+        if con.kept not in kept_of:
+            kept_of[con.kept] = tuple((j, b) for j, b in con.kept if j in names)
+        return absent, kept_of[con.kept]
 
     rows = _Rows()
     first = h.getNumCol()
@@ -146,6 +151,7 @@ def memory_rows(
         held[key] = column
         last_absent, last_kept = absent, kept
     variable = not isinstance(limit_mib, (int, float))
+    limited: list[int] = []  # the memory rows, among ``rows``
     for con in constraints:
         entries = {}
         key = held_key(con)
@@ -160,13 +166,16 @@ def memory_rows(
                 entries[y[j].index], entries[r[j].index] = clean(base / MIB), clean(slope / MIB)
         if not entries:
             continue  # constant rows are checked before solving
+        limited.append(len(rows.lower))
         if variable:
             rows.add(entries | {limit_mib.index: -1.0}, -highspy.kHighsInf, -con.base / MIB)
         else:
             rows.add(entries, -highspy.kHighsInf, limit_mib - con.base / MIB)
     if held:
         h.addVars(len(held), np.full(len(held), -highspy.kHighsInf), np.full(len(held), highspy.kHighsInf))
+    first_row = h.getNumRow()
     rows.pass_to(h)
+    return first_row + np.asarray(limited, dtype=np.int32)
 
 
 class _Rows:
@@ -199,3 +208,40 @@ class _Rows:
                 np.asarray(self.index, dtype=np.int32),
                 np.asarray(self.value, dtype=np.float64),
             )
+
+
+@dataclass
+class Milp:
+    """The MILP of :func:`~lightning_sac.solver.milp.solve_plan`: the least recompute within a memory limit.
+
+    Built once, at its first limit, and handed to HiGHS again for each other limit: only the bounds of its memory rows
+    change with it.
+
+    Args:
+        cands: The candidates.
+        constraints: The memory constraints.
+        costs: ``(fixed_ms, factor, whole_ms)`` of :func:`add_candidates`.
+        bound: Whether a recompute's transient is its bound (:func:`memory_rows`).
+    """
+
+    cands: list[Candidate]
+    constraints: list[MemoryConstraint]
+    costs: tuple[dict[str, float], dict[str, float], dict[str, float]]
+    bound: bool
+    _built: tuple[highspy.HighsModel, dict[str, int], dict[str, int], np.ndarray, np.ndarray] | None = None
+
+    def at(self, limit_mib: float, h: highspy.Highs) -> tuple[dict[str, int], dict[str, int]]:
+        """Pass the MILP with the memory limit ``limit_mib`` to ``h``; the columns of each candidate's y and r."""
+        if self._built is None:
+            y, r, rc = add_candidates(h, self.cands, *self.costs)
+            rows = memory_rows(h, self.cands, self.constraints, y, r, 0.0, bound=self.bound)
+            h.setObjective(h.qsum(rc), highspy.ObjSense.kMinimize)
+            upper = np.asarray(h.getLp().row_upper_, dtype=np.float64)[rows]
+            columns = ({j: v.index for j, v in y.items()}, {j: v.index for j, v in r.items()})
+            self._built = (h.getModel(), *columns, rows, upper)
+        model, y_cols, r_cols, rows, upper = self._built
+        h.passModel(model)
+        # (-base) + limit: the bound memory_rows gives at this limit, to the bit
+        for i, bound in zip(rows.tolist(), (upper + limit_mib).tolist(), strict=True):
+            h.changeRowBounds(i, -highspy.kHighsInf, bound)
+        return y_cols, r_cols

@@ -166,19 +166,50 @@ def _fit_with_breaks(x: np.ndarray, y: np.ndarray, breaks: list[float]) -> tuple
     return float(residuals @ residuals), matrix(np.asarray(breaks)) @ beta
 
 
+def _best_break(x: np.ndarray, y: np.ndarray) -> int:
+    """Which of ``x[1:-1]`` (ascending) as the one inner break gives the two-line fit of the least squared residuals.
+
+    Each break's fit solves the normal equations of its regression matrix (``1``, ``u = x - x[0]``, the hinge
+    ``h = max(x - b, 0)``), whose sums over the hinge's points are suffix sums: every break at once, in linear time.
+    """
+    u = x - x[0]
+    b = x[1:-1]
+    # Suffix sums over the points past each break (x ascending: those after it).
+    def past(v: np.ndarray) -> np.ndarray:
+        return np.cumsum(v[::-1])[::-1][2:]
+
+    count, sx, sxx, sy, sxy = past(np.ones_like(x)), past(x), past(x * x), past(y), past(x * y)
+    sh = sx - b * count
+    shh = sxx - 2 * b * sx + b * b * count
+    suh = sxx - (b + x[0]) * sx + x[0] * b * count
+    shy = sxy - b * sy
+    n = np.full_like(b, len(x))
+    su, suu = np.full_like(b, u.sum()), np.full_like(b, (u * u).sum())
+    gram = np.stack([np.stack([n, su, sh], -1), np.stack([su, suu, suh], -1), np.stack([sh, suh, shh], -1)], -2)
+    rhs = np.stack([np.full_like(b, y.sum()), np.full_like(b, (u * y).sum()), shy], -1)
+    beta = np.linalg.solve(gram, rhs[..., None])[..., 0]
+    ssr = float(y @ y) - np.einsum("ij,ij->i", beta, rhs)
+    return int(np.argmin(ssr))
+
+
 def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
     """Continuous piecewise-linear least-squares fit with breaks at curve points; returns slopes, intercepts, breaks."""
     n_segments = max(1, min(n_segments, len(x) - 1))
     interior = x[1:-1]
-    if math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS:
-        best: tuple[float, list[float]] | None = None
-        for inner in itertools.combinations(interior, n_segments - 1):
-            breaks = [float(x[0]), *map(float, inner), float(x[-1])]
-            ssr = _fit_with_breaks(x, y, breaks)[0]
-            if best is None or ssr < best[0] - 1e-15:
-                best = (ssr, breaks)
-        assert best is not None
-        breaks = best[1]
+    exhaustive = math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS
+    if exhaustive or n_segments == 2:
+        breaks = [float(x[0]), float(x[-1])]
+        if not exhaustive:  # one inner break among thousands of points: all of them at once
+            breaks.insert(1, float(interior[_best_break(x, y)]))
+        else:
+            best: tuple[float, list[float]] | None = None
+            for inner in itertools.combinations(interior, n_segments - 1):
+                tried = [float(x[0]), *map(float, inner), float(x[-1])]
+                ssr = _fit_with_breaks(x, y, tried)[0]
+                if best is None or ssr < best[0] - 1e-15:
+                    best = (ssr, tried)
+            assert best is not None
+            breaks = best[1]
         at_breaks = _fit_with_breaks(x, y, breaks)[1]
         b = np.asarray(breaks)
         slopes = np.diff(at_breaks) / np.diff(b)

@@ -36,7 +36,13 @@ from lightning_sac.solver.memory_model import (
 from lightning_sac.solver.recompute import recompute_costs, recompute_transient
 from lightning_sac.solver.rows import MIB, Milp, add_candidates, clean, memory_rows, related_pairs
 from lightning_sac.solver.sharded_memory import ShardedStep
-from lightning_sac.solver.tradeoff import _MAX_EXHAUSTIVE_FITS, _fit_lines, effective_memory, module_tradeoff
+from lightning_sac.solver.tradeoff import (
+    _MAX_EXHAUSTIVE_FITS,
+    _fit_lines,
+    _fit_with_breaks,
+    effective_memory,
+    module_tradeoff,
+)
 
 
 @pytest.fixture(scope="module", params=["cpu", "H100-SXM"])
@@ -349,3 +355,18 @@ def lp_arrays(h: highspy.Highs) -> list[np.ndarray]:
     order = np.concatenate([start[i] + np.argsort(index[start[i] : start[i + 1]]) for i in range(lp.num_row_)])
     arrays = (start, index[order], value[order], lp.row_lower_, lp.row_upper_, lp.col_cost_, lp.col_upper_)
     return [np.asarray(v) for v in arrays]
+
+
+def test_two_lines_over_thousands_of_points_break_where_trying_every_point_does() -> None:
+    """Past _MAX_EXHAUSTIVE_FITS points the one inner break comes from suffix sums: where the direct fits break best."""
+    rng = np.random.default_rng(0)
+    n = _MAX_EXHAUSTIVE_FITS + 100
+    x = np.concatenate([[0.0], np.cumsum(rng.random(n))])
+    y = np.concatenate([[0.0], np.cumsum(np.sort(rng.random(n) ** 3))])
+    x, y = x / x[-1], y / y[-1]
+    direct = [_fit_with_breaks(x, y, [x[0], b, x[-1]])[0] for b in x[1:-1]]
+    slopes, intercepts, breaks = _fit_lines(x, y, 2)
+    assert breaks == [0.0, float(x[1:-1][int(np.argmin(direct))]), 1.0]
+    assert len(slopes) == 2 and slopes[0] * breaks[1] + intercepts[0] == pytest.approx(
+        slopes[1] * breaks[1] + intercepts[1], abs=1e-12
+    )  # continuous at the break

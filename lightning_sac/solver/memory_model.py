@@ -164,8 +164,7 @@ class MemoryConstraint:
         kept: ``(candidate, bytes)``: inputs the plain step has freed by this moment that the candidate's
             checkpoint keeps alive, counted when it is checkpointed.
         at: The first timeline index with these candidates absent, this recompute and these kept bytes: the
-            candidates absent are those whose window ``(end of forward, start of backward)`` holds it, ``end <=
-            at < start`` (:mod:`lightning_sac.solver.rows` counts them through that).
+            MILP's rows follow the step's order (:func:`lightning_sac.solver.rows.memory_rows`).
     """
 
     base: int

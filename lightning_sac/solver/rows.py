@@ -2,7 +2,8 @@
 
 Per candidate a binary ``y`` (checkpointed?), a discard ratio ``r`` and its recompute cost (the trade-off fit's
 lines); one row per pair of nested candidates; and one memory row per moment of the step
-(:mod:`lightning_sac.solver.memory_model`).
+(:mod:`lightning_sac.solver.memory_model`), through a running variable per distinct set of absent candidates and
+kept inputs (:func:`memory_rows`). :class:`Milp` builds it once for every limit it is solved at.
 """
 
 from __future__ import annotations

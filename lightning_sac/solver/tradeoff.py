@@ -174,6 +174,7 @@ def _best_break(x: np.ndarray, y: np.ndarray) -> int:
     """
     u = x - x[0]
     b = x[1:-1]
+
     # Suffix sums over the points past each break (x ascending: those after it).
     def past(v: np.ndarray) -> np.ndarray:
         return np.cumsum(v[::-1])[::-1][2:]
@@ -187,7 +188,7 @@ def _best_break(x: np.ndarray, y: np.ndarray) -> int:
     su, suu = np.full_like(b, u.sum()), np.full_like(b, (u * u).sum())
     gram = np.stack([np.stack([n, su, sh], -1), np.stack([su, suu, suh], -1), np.stack([sh, suh, shh], -1)], -2)
     rhs = np.stack([np.full_like(b, y.sum()), np.full_like(b, (u * y).sum()), shy], -1)
-    beta = np.linalg.solve(gram, rhs[..., None])[..., 0]
+    beta = (np.linalg.pinv(gram) @ rhs[..., None])[..., 0]  # pinv: a hinge over tied last points is all zeros
     ssr = float(y @ y) - np.einsum("ij,ij->i", beta, rhs)
     return int(np.argmin(ssr))
 

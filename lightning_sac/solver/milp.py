@@ -169,7 +169,7 @@ class _Search:
                 y, r = self.milps[bound].at(limit - tighten, h)
                 if self.start is not None:  # after the model: changing it drops a start
                     h.setSolution(len(self.start[0]), *self.start)
-                h.run()
+                h.solve()
                 status = h.getModelStatus()
                 if status == highspy.HighsModelStatus.kInfeasible:
                     break

@@ -21,7 +21,12 @@ import time
 
 import torch
 
-GOAL_SECONDS, GOAL_RSS_GIB = 20.0, 2.0
+# Issue "The largest models": the 70B class in under 10 s, the 405B class in under 20 s, under 2 GiB of RSS.
+GOAL_RSS_GIB = 2.0
+
+
+def _goal_seconds(parameters: int) -> float:
+    return 10.0 if parameters < 200e9 else 20.0
 
 
 def _rss_gib() -> float:
@@ -79,7 +84,7 @@ def main() -> None:
     print(f"batch {args.batch} x {args.seq}, bf16, AdamW, {args.device}, FSDP world size {args.world_size}")
     print(f"build on meta {built - start:.1f} s; profile {profiled - built:.1f} s; solve {solved - profiled:.1f} s")
     print(
-        f"profile + solve: {wall:.1f} s (goal < {GOAL_SECONDS:.0f} s), CPU {cpu:.1f} s; "
+        f"profile + solve: {wall:.1f} s (goal < {_goal_seconds(n):.0f} s), CPU {cpu:.1f} s; "
         f"load average {load:.1f} on {os.cpu_count()} cores at the start"
     )
     print(f"peak RSS {rss:.2f} GiB (after imports {import_rss:.2f} GiB; goal < {GOAL_RSS_GIB:.0f} GiB)")

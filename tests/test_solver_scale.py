@@ -2,11 +2,14 @@
 
 Each fast path is checked against the straightforward computation it replaced, written out here, on a real
 profile (a 2-block GPT with dropout, AdamW, on a CPU and on an H100 target) and, for FSDP, with the GPT's
-blocks as units. Equality is exact: same constraints in the same order, same bytes, same HiGHS model bit for bit.
+blocks as units. Equality is exact: same constraints in the same order, same bytes; the memory rows' running sums,
+substituted, give each row the direct one's coefficients.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -20,7 +23,7 @@ from lightning_sac import ModelProfile, ModuleOpStats
 from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
 from lightning_sac.solver import knapsack
 from lightning_sac.solver.candidates import _Transient, _transient_line, find_candidates, related
-from lightning_sac.solver.highs import new_highs
+from lightning_sac.solver.highs import integer_start, new_highs
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
     _held,
@@ -28,11 +31,18 @@ from lightning_sac.solver.memory_model import (
     checkpoint_state_bytes,
     device_model,
     memory_constraints,
+    peak_with_plan,
 )
 from lightning_sac.solver.recompute import recompute_costs, recompute_transient
-from lightning_sac.solver.rows import MIB, add_candidates, clean, memory_rows, related_pairs
+from lightning_sac.solver.rows import MIB, Milp, add_candidates, clean, memory_rows, related_pairs
 from lightning_sac.solver.sharded_memory import ShardedStep
-from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff
+from lightning_sac.solver.tradeoff import (
+    _MAX_EXHAUSTIVE_FITS,
+    _fit_lines,
+    _fit_with_breaks,
+    effective_memory,
+    module_tradeoff,
+)
 
 
 @pytest.fixture(scope="module", params=["cpu", "H100-SXM"])
@@ -56,6 +66,7 @@ def direct_memory_constraints(
 ) -> list[MemoryConstraint]:
     """memory_constraints as it was written first: every candidate asked at every timeline index."""
     worst: dict[Any, int] = {}
+    first: dict[Any, int] = {}  # the first timeline index of each
     fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
     on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
     ends = backward_ends(profile)
@@ -76,6 +87,7 @@ def direct_memory_constraints(
         )
         key = (absent, recompute, kept)
         worst[key] = max(worst.get(key, base), base)
+        first.setdefault(key, at)
 
     for k, event in enumerate(profile.timeline):
         absent = frozenset(j for j, (e, b) in windows.items() if e <= k < b)
@@ -85,7 +97,7 @@ def direct_memory_constraints(
     for j, (_, begin) in windows.items():
         absent = frozenset(i for i, (e, b) in windows.items() if e <= begin < b)
         add(on_device(begin, profile.timeline[begin].at, moment=True), absent, j, begin)
-    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
+    return [MemoryConstraint(base, *key, at=first[key]) for key, base in worst.items()]
 
 
 @pytest.mark.parametrize("sharding", ["replicated", "sharded", "sharded by units"])
@@ -219,15 +231,42 @@ def direct_rows(h: highspy.Highs, cands: Any, constraints: Any, y: Any, r: Any, 
             h.addConstr(con.base / MIB - h.qsum(terms) + h.qsum(extras) <= limit)
 
 
-def lp_arrays(h: highspy.Highs) -> list[np.ndarray]:
+def row_expressions(h: highspy.Highs, n_vars: int) -> list[tuple[dict[int, float], float, float]]:
+    """Each inequality row as ``(coefficients over the first n_vars columns, lower, upper)``, the running variables
+    of memory_rows (the columns from n_vars on) replaced by the sums their equality rows make them; a row bounded
+    below only is negated."""
+    h.ensureRowwise()
     lp = h.getLp()
     a = lp.a_matrix_
-    return [np.asarray(v) for v in (a.start_, a.index_, a.value_, lp.row_lower_, lp.row_upper_, lp.col_upper_)]
+    start, index, value = (np.asarray(v) for v in (a.start_, a.index_, a.value_))
+    running: dict[int, dict[int, float]] = {}
+
+    def substituted(entries: list[tuple[int, float]]) -> dict[int, float]:
+        expr: dict[int, float] = {}
+        for col, v in entries:
+            for c, w in running[col].items() if col >= n_vars else [(col, 1.0)]:
+                expr[c] = expr.get(c, 0.0) + v * w
+        return expr
+
+    rows = []
+    for i in range(lp.num_row_):
+        span = slice(start[i], start[i + 1])
+        entries = list(zip(index[span].tolist(), value[span].tolist(), strict=True))
+        new, one = max(entries)  # a running variable's row is the first to hold it, with coefficient 1
+        if lp.row_lower_[i] == lp.row_upper_[i] == 0.0 and new >= n_vars and new not in running:
+            assert one == 1.0
+            running[new] = {c: -v for c, v in substituted([e for e in entries if e[0] != new]).items()}
+        elif lp.row_upper_[i] == highspy.kHighsInf:  # ``peak >= expression``, as ``expression <= peak`` reads
+            rows.append(({c: -v for c, v in substituted(entries).items()}, -highspy.kHighsInf, -lp.row_lower_[i]))
+        else:
+            rows.append((substituted(entries), lp.row_lower_[i], lp.row_upper_[i]))
+    return rows
 
 
 @pytest.mark.parametrize("bound", [True, False])
 @pytest.mark.parametrize("limit", ["float", "variable"])
-def test_memory_rows_give_highs_the_model_expressions_give(profile: ModelProfile, bound: bool, limit: str) -> None:
+def test_memory_rows_are_the_model_expressions_give(profile: ModelProfile, bound: bool, limit: str) -> None:
+    """memory_rows' running sums stand for the absent and kept terms: substituted, each row is the direct one."""
     profile = with_block_units(profile)
     cands = find_candidates(profile)
     constraints = memory_constraints(profile, {c.fqn: c.window for c in cands}, world_size=4, sharding="sharded")
@@ -236,9 +275,98 @@ def test_memory_rows_give_highs_the_model_expressions_give(profile: ModelProfile
         h = new_highs(time_limit_s=1.0, mip_gap=0.0)
         y, r, _ = add_candidates(h, cands)
         peak = h.addVariable(lb=0.0) if limit == "variable" else 1234.5
+        n_vars = h.getNumCol()
         rows(h, cands, constraints, y, r, peak, bound)
-        models.append(lp_arrays(h))
+        models.append(row_expressions(h, n_vars))
     fast, direct = models
-    assert len(fast[3]) > 2 * len(cands)  # memory rows were added
-    for a, b in zip(fast, direct, strict=True):
-        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()  # bit for bit
+    assert len(fast) == len(direct) > 2 * len(cands)  # memory rows were added, one for each direct one
+    for (expr, lo, up), (want, want_lo, want_up) in zip(fast, direct, strict=True):
+        assert lo == want_lo and up == pytest.approx(want_up, rel=1e-12, abs=1e-9)
+        cols = {c for c, v in {**expr, **want}.items() if abs(v) > 1e-9}
+        assert {c: pytest.approx(expr.get(c, 0.0), abs=1e-9) for c in cols} == {c: want.get(c, 0.0) for c in cols}
+
+
+def pwlf_exhaustive_fit(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
+    """_fit_lines' exhaustive search as it was written first: pwlf's fit_with_breaks at every choice of breaks."""
+    import pwlf
+
+    model = pwlf.PiecewiseLinFit(x, y)
+    best: tuple[float, list[float]] | None = None
+    for inner in itertools.combinations(x[1:-1], n_segments - 1):
+        breaks = [float(x[0]), *map(float, inner), float(x[-1])]
+        ssr = float(model.fit_with_breaks(breaks))
+        if best is None or ssr < best[0] - 1e-15:
+            best = (ssr, breaks)
+    assert best is not None
+    model.fit_with_breaks(best[1])
+    return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
+
+
+@pytest.mark.parametrize("n_segments", [1, 2, 3])
+def test_fits_are_pwlfs_to_the_bit(profile: ModelProfile, n_segments: int) -> None:
+    """The trade-off fits, without pwlf where every choice of breaks is tried, are those pwlf gives."""
+    checked = 0
+    for m in profile.modules.values():
+        curve = module_tradeoff(m.op_stats).curve if m.op_stats is not None else []
+        if len(curve) - 1 <= n_segments or math.comb(len(curve) - 2, n_segments - 1) > _MAX_EXHAUSTIVE_FITS:
+            continue
+        x, y = (np.array(v) for v in zip(*curve, strict=True))
+        assert _fit_lines(x, y, n_segments) == pwlf_exhaustive_fit(x, y, n_segments)
+        checked += 1
+    assert checked >= 3
+
+
+def test_a_milp_built_once_is_the_milp_built_at_each_limit_and_starts_from_the_last_plan(profile: ModelProfile) -> None:
+    cands = find_candidates(profile)
+    constraints = memory_constraints(profile, {c.fqn: c.window for c in cands}, world_size=1, sharding="replicated")
+    unconstrained = peak_with_plan(constraints, {}, {}) / MIB
+    limits = [0.9 * unconstrained, 0.8 * unconstrained]
+    milp = Milp(cands, constraints, ({}, {}, {}), bound=True)
+    objectives = []
+    start = None
+    for limit in limits:
+        h = new_highs(time_limit_s=10.0, mip_gap=1e-2)
+        y, r = milp.at(limit, h)
+        direct = new_highs(time_limit_s=10.0, mip_gap=1e-2)
+        dy, dr, rc = add_candidates(direct, cands)
+        memory_rows(direct, cands, constraints, dy, dr, limit, bound=True)
+        direct.setObjective(direct.qsum(rc), highspy.ObjSense.kMinimize)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(lp_arrays(h), lp_arrays(direct), strict=True))
+        assert y == {j: v.index for j, v in dy.items()} and r == {j: v.index for j, v in dr.items()}
+        if start is not None:  # the first plan's candidates, as solve_plan's next solve starts
+            h.setSolution(len(start[0]), *start)
+        h.run()
+        assert h.getModelStatus() == highspy.HighsModelStatus.kOptimal
+        start = integer_start(h)
+        assert len(start[0]) >= len(cands) and set(start[1].tolist()) <= {0.0, 1.0}
+        direct.run()
+        objectives.append((h.getInfo().objective_function_value, direct.getInfo().objective_function_value))
+    (first, first_direct), (second, second_direct) = objectives
+    assert first == first_direct and 0 < first < second  # the lower limit costs more recompute
+    assert second == pytest.approx(second_direct, rel=1e-2)  # within the MIP gap of the solve from nothing
+
+
+def lp_arrays(h: highspy.Highs) -> list[np.ndarray]:
+    """The model's arrays, its matrix by rows with each row's entries in column order (as a model passed whole)."""
+    h.ensureRowwise()
+    lp = h.getLp()
+    a = lp.a_matrix_
+    start, index, value = (np.asarray(v) for v in (a.start_, a.index_, a.value_))
+    order = np.concatenate([start[i] + np.argsort(index[start[i] : start[i + 1]]) for i in range(lp.num_row_)])
+    arrays = (start, index[order], value[order], lp.row_lower_, lp.row_upper_, lp.col_cost_, lp.col_upper_)
+    return [np.asarray(v) for v in arrays]
+
+
+def test_two_lines_over_thousands_of_points_break_where_trying_every_point_does() -> None:
+    """Past _MAX_EXHAUSTIVE_FITS points the one inner break comes from suffix sums: where the direct fits break best."""
+    rng = np.random.default_rng(0)
+    n = _MAX_EXHAUSTIVE_FITS + 100
+    x = np.concatenate([[0.0], np.cumsum(rng.random(n))])
+    y = np.concatenate([[0.0], np.cumsum(np.sort(rng.random(n) ** 3))])
+    x, y = x / x[-1], y / y[-1]
+    direct = [_fit_with_breaks(x, y, [x[0], b, x[-1]])[0] for b in x[1:-1]]
+    slopes, intercepts, breaks = _fit_lines(x, y, 2)
+    assert breaks == [0.0, float(x[1:-1][int(np.argmin(direct))]), 1.0]
+    assert len(slopes) == 2 and slopes[0] * breaks[1] + intercepts[0] == pytest.approx(
+        slopes[1] * breaks[1] + intercepts[1], abs=1e-12
+    )  # continuous at the break

@@ -163,12 +163,15 @@ class MemoryConstraint:
         recompute: The candidate whose recompute runs at this moment (its forward temporaries are back), if any.
         kept: ``(candidate, bytes)``: inputs the plain step has freed by this moment that the candidate's
             checkpoint keeps alive, counted when it is checkpointed.
+        at: The first timeline index with these candidates absent, this recompute and these kept bytes: the
+            MILP's rows follow the step's order (:func:`lightning_sac.solver.rows.memory_rows`).
     """
 
     base: int
     absent: frozenset[str]
     recompute: str | None = None
     kept: tuple[tuple[str, int], ...] = ()
+    at: int = 0
 
 
 def memory_constraints(
@@ -188,6 +191,7 @@ def memory_constraints(
         sharding: ``"replicated"`` or ``"sharded"``.
     """
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
+    first: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
     # Under FSDP with the model's units known, a rank holds what the sharded model says (lightning_sac.sharding).
     fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
     on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
@@ -200,6 +204,7 @@ def memory_constraints(
     def add(base: int, k: int, recompute: str | None) -> None:
         key = (absent_at[k], recompute, kept_at[k])
         worst[key] = max(worst.get(key, base), base)
+        first.setdefault(key, k)
 
     for k, event in enumerate(timeline):
         add(on_device(k, event.peak_after or event.at), k, None)
@@ -207,7 +212,7 @@ def memory_constraints(
             add(on_device(k, event.at, moment=True), k, None)
     for j, (_, begin_bwd) in windows.items():
         add(on_device(begin_bwd, timeline[begin_bwd].at, moment=True), begin_bwd, j)
-    return [MemoryConstraint(base, absent, recompute, kept) for (absent, recompute, kept), base in worst.items()]
+    return [MemoryConstraint(base, *key, at=first[key]) for key, base in worst.items()]
 
 
 def _absent_sets(windows: Mapping[str, tuple[int, int]], length: int) -> list[frozenset[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import highspy
@@ -20,7 +20,7 @@ from lightning_sac.solver.candidates import (
     op_stats,
 )
 from lightning_sac.solver.decisions import lowest_plan, plan_decisions, plan_peak, whole_costs
-from lightning_sac.solver.highs import new_highs
+from lightning_sac.solver.highs import IntegerStart, integer_start, new_highs
 from lightning_sac.solver.masks import mask_fixed_ms, mask_unit
 from lightning_sac.solver.memory_model import (
     MemoryConstraint,
@@ -31,7 +31,7 @@ from lightning_sac.solver.memory_model import (
 )
 from lightning_sac.solver.recompute import fixed_overhead_ms
 from lightning_sac.solver.rows import MIB as _MIB
-from lightning_sac.solver.rows import add_candidates, memory_rows
+from lightning_sac.solver.rows import Milp
 
 __all__ = ["solve_plan"]
 
@@ -145,13 +145,16 @@ class _Search:
     whole_ms: dict[str, float]
     time_limit_s: float = 30.0
     mip_gap: float = 1e-2
+    start: IntegerStart | None = None
+    milps: dict[bool, Milp] = field(default_factory=dict)  # per bound, built at its first solve
 
     def __call__(self, budget: int) -> tuple[dict[str, ModuleDecision], int, str, float] | None:
         """The decisions, their tensors' peak, HiGHS's status and gap; ``None`` when no plan fits ``budget`` bytes.
 
         First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
         holds), then with the all-recompute figure; each solved again with its limit lowered by what the chosen
-        policies' own figures exceeded the budget by (a line is an estimate).
+        policies' own figures exceeded the budget by (a line is an estimate). Each solve after the first starts
+        from the candidates the last one checkpointed (:func:`~lightning_sac.solver.highs.integer_start`).
         """
         cands, constraints = self.cands, self.constraints
         limit = budget / _MIB - _MARGIN_MIB
@@ -159,11 +162,14 @@ class _Search:
             return None
         for bound in (False, True):
             tighten = 0.0
+            if bound not in self.milps:
+                self.milps[bound] = Milp(cands, constraints, (self.fixed_ms, self.factor, self.whole_ms), bound)
             for _ in range(_TIGHTEN_ROUNDS):
                 h = new_highs(time_limit_s=self.time_limit_s, mip_gap=self.mip_gap)
-                y, r, rc = add_candidates(h, cands, self.fixed_ms, self.factor, self.whole_ms)
-                memory_rows(h, cands, constraints, y, r, limit - tighten, bound=bound)
-                h.minimize(h.qsum(rc))
+                y, r = self.milps[bound].at(limit - tighten, h)
+                if self.start is not None:  # after the model: changing it drops a start
+                    h.setSolution(len(self.start[0]), *self.start)
+                h.solve()
                 status = h.getModelStatus()
                 if status == highspy.HighsModelStatus.kInfeasible:
                     break
@@ -173,7 +179,9 @@ class _Search:
                     raise RuntimeError(
                         f"HiGHS found no plan within time_limit_s={self.time_limit_s}; raise the time limit."
                     )
-                chosen = {c.fqn: h.val(r[c.fqn]) for c in cands if h.val(y[c.fqn]) > 0.5}
+                self.start = integer_start(h)
+                value = h.getSolution().col_value
+                chosen = {c.fqn: value[r[c.fqn]] for c in cands if value[y[c.fqn]] > 0.5}
                 decisions = plan_decisions(
                     self.profile, cands, chosen, self.backend, self.per_op_us, self.measured, self.masks
                 )

@@ -148,30 +148,83 @@ def recompute_units(stats: ModuleOpStats, backend: str = "sac") -> tuple[list[Re
     return candidates, stored
 
 
+def _fit_with_breaks(x: np.ndarray, y: np.ndarray, breaks: list[float]) -> tuple[float, np.ndarray]:
+    """The continuous piecewise-linear least-squares fit with these breaks: its squared residuals, its break values.
+
+    pwlf's ``fit_with_breaks`` and ``predict``, without importing pwlf (and scipy, about 1-2 s): its regression
+    matrix (a constant, ``x - breaks[0]``, and a hinge ``max(x - b, 0)`` at each inner break), solved by LAPACK's
+    ``gelsd`` as pwlf's default asks; the residuals summed directly.
+    """
+
+    def matrix(at: np.ndarray) -> np.ndarray:
+        hinges = [np.where(at > b, at - b, 0.0) for b in breaks[1:-1]]
+        return np.vstack([np.ones_like(at), at - breaks[0], *hinges]).T
+
+    a = matrix(x)
+    beta = np.linalg.lstsq(a, y, rcond=None)[0]
+    residuals = a @ beta - y
+    return float(residuals @ residuals), matrix(np.asarray(breaks)) @ beta
+
+
+def _best_break(x: np.ndarray, y: np.ndarray) -> int:
+    """Which of ``x[1:-1]`` (ascending) as the one inner break gives the two-line fit of the least squared residuals.
+
+    Each break's fit solves the normal equations of its regression matrix (``1``, ``u = x - x[0]``, the hinge
+    ``h = max(x - b, 0)``), whose sums over the hinge's points are suffix sums: every break at once, in linear time.
+    """
+    u = x - x[0]
+    b = x[1:-1]
+
+    # Suffix sums over the points past each break (x ascending: those after it).
+    def past(v: np.ndarray) -> np.ndarray:
+        return np.cumsum(v[::-1])[::-1][2:]
+
+    count, sx, sxx, sy, sxy = past(np.ones_like(x)), past(x), past(x * x), past(y), past(x * y)
+    sh = sx - b * count
+    shh = sxx - 2 * b * sx + b * b * count
+    suh = sxx - (b + x[0]) * sx + x[0] * b * count
+    shy = sxy - b * sy
+    n = np.full_like(b, len(x))
+    su, suu = np.full_like(b, u.sum()), np.full_like(b, (u * u).sum())
+    gram = np.stack([np.stack([n, su, sh], -1), np.stack([su, suu, suh], -1), np.stack([sh, suh, shh], -1)], -2)
+    rhs = np.stack([np.full_like(b, y.sum()), np.full_like(b, (u * y).sum()), shy], -1)
+    beta = (np.linalg.pinv(gram) @ rhs[..., None])[..., 0]  # pinv: a hinge over tied last points is all zeros
+    ssr = float(y @ y) - np.einsum("ij,ij->i", beta, rhs)
+    return int(np.argmin(ssr))
+
+
 def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[float], list[float], list[float]]:
     """Continuous piecewise-linear least-squares fit with breaks at curve points; returns slopes, intercepts, breaks."""
-    import pwlf  # imports scipy (about 2 s): only a plan's fit needs it, not every start of lightning-sac
-
     n_segments = max(1, min(n_segments, len(x) - 1))
-    model = pwlf.PiecewiseLinFit(x, y)
     interior = x[1:-1]
-    if math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS:
-        best: tuple[float, list[float]] | None = None
-        for inner in itertools.combinations(interior, n_segments - 1):
-            breaks = [float(x[0]), *map(float, inner), float(x[-1])]
-            ssr = float(model.fit_with_breaks(breaks))
-            if best is None or ssr < best[0] - 1e-15:
-                best = (ssr, breaks)
-        assert best is not None
-        model.fit_with_breaks(best[1])
-    else:
-        # pwlf seeds numpy's global generator; keep the user's stream as it was.
-        state = np.random.get_state()
-        try:
-            model = pwlf.PiecewiseLinFit(x, y, seed=0)
-            model.fitfast(n_segments, pop=4)
-        finally:
-            np.random.set_state(state)
+    exhaustive = math.comb(len(interior), n_segments - 1) <= _MAX_EXHAUSTIVE_FITS
+    if exhaustive or n_segments == 2:
+        breaks = [float(x[0]), float(x[-1])]
+        if not exhaustive:  # one inner break among thousands of points: all of them at once
+            breaks.insert(1, float(interior[_best_break(x, y)]))
+        else:
+            best: tuple[float, list[float]] | None = None
+            for inner in itertools.combinations(interior, n_segments - 1):
+                tried = [float(x[0]), *map(float, inner), float(x[-1])]
+                ssr = _fit_with_breaks(x, y, tried)[0]
+                if best is None or ssr < best[0] - 1e-15:
+                    best = (ssr, tried)
+            assert best is not None
+            breaks = best[1]
+        at_breaks = _fit_with_breaks(x, y, breaks)[1]
+        b = np.asarray(breaks)
+        slopes = np.diff(at_breaks) / np.diff(b)
+        intercepts = at_breaks[:-1] - slopes * b[:-1]
+        return list(map(float, slopes)), list(map(float, intercepts)), breaks
+    import pwlf  # imports scipy: only a fit with too many breaks to try them all needs it
+
+    # pwlf seeds numpy's global generator; keep the user's stream as it was.
+    state = np.random.get_state()
+    try:
+        model = pwlf.PiecewiseLinFit(x, y, seed=0)
+        model.fitfast(n_segments, pop=4)
+    finally:
+        np.random.set_state(state)
     return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
 
 

@@ -22,6 +22,7 @@ from lightning_sac.dryrun.measured import (
     QuietProfile,
     event_name,
     filtered_native_output,
+    memory_events,
     memory_timeline,
     unique_bytes,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "loop_signature",
     "make_estimator",
     "materialize",
+    "memory_events",
     "memory_timeline",
     "model_inputs",
     "model_loss",

@@ -21,7 +21,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
 
-from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, memory_timeline, tensors_of, unique_bytes
+from lightning_sac.dryrun import (
+    TIMELINE_CATEGORIES,
+    MemoryTimeline,
+    QuietProfile,
+    event_name,
+    memory_events,
+    memory_timeline,
+    tensors_of,
+    unique_bytes,
+)
 from lightning_sac.plan import Plan, device_peak, plan_unit, reserve_bytes, reserve_note
 
 __all__ = [
@@ -114,7 +123,7 @@ class StepMeasurement:
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         device = str(trainer.strategy.root_device)
-        timeline = memory_timeline(prof, device, self._baseline)
+        timeline = _timeline(prof, device, self._baseline)
         kineto = prof.profiler.kineto_results.events()
         # Python events' names can be undecodable after a compile in the window (measure.event_name).
         marks = [e for e in kineto if not e.is_python_function() and event_name(e) == _WINDOW]
@@ -133,6 +142,35 @@ class StepMeasurement:
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
+
+
+def _timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:
+    """The window's memory by category; uncategorized where torch's memory profiler cannot categorize it.
+
+    ``torch.profiler._memory_profiler`` asserts on some steps' autograd graphs ("duplicate outputs" of an attention
+    backward node, seen under FSDP1 on CPU); its categories are lost then, not the allocator's events, which give the
+    peak: the timeline puts every byte under ``unknown`` and says so once.
+    """
+    try:
+        return memory_timeline(prof, device, baseline)
+    except AssertionError as err:
+        events = memory_events(prof, device)
+        rank_zero_warn(
+            f"torch's memory profiler could not categorize the measured step's memory (AssertionError: "
+            f"{str(err).splitlines()[0][:120]}); the peak is measured from the allocator's events, and the memory "
+            "timeline shows it uncategorized."
+        )
+    t0 = events[0][0] if events else 0
+    alive, running = baseline, []
+    for _, nbytes in sorted(events):
+        alive += nbytes
+        running.append(alive)
+    by_category = {c: running if c == "unknown" else [0] * len(running) for c in TIMELINE_CATEGORIES}
+    times = [(ns - t0) / 1000 for ns, _ in sorted(events)]
+    peak = max([baseline, *running])
+    return MemoryTimeline(
+        times_us=times, by_category=by_category, peak_bytes=peak, baseline_bytes=baseline, events=events
+    )
 
 
 def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:

@@ -24,6 +24,7 @@ from lightning_sac.dryrun.measured import (
     filtered_native_output,
     memory_events,
     memory_timeline,
+    peak_from_events,
     unique_bytes,
 )
 from lightning_sac.dryrun.modules.inputs import materialize
@@ -81,6 +82,7 @@ __all__ = [
     "materialize",
     "memory_events",
     "memory_timeline",
+    "peak_from_events",
     "model_inputs",
     "model_loss",
     "placeholder_message",

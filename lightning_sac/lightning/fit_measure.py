@@ -28,6 +28,7 @@ from lightning_sac.dryrun import (
     event_name,
     memory_events,
     memory_timeline,
+    peak_from_events,
     tensors_of,
     unique_bytes,
 )
@@ -160,16 +161,15 @@ def _timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:
             f"{str(err).splitlines()[0][:120]}); the peak is measured from the allocator's events, and the memory "
             "timeline shows it uncategorized."
         )
-    t0 = events[0][0] if events else 0
-    alive, running = baseline, []
-    for _, nbytes in sorted(events):
-        alive += nbytes
-        running.append(alive)
+    folded = peak_from_events(events, baseline)
+    running = [alive for _, alive in folded.timeline]
     by_category = {c: running if c == "unknown" else [0] * len(running) for c in TIMELINE_CATEGORIES}
-    times = [(ns - t0) / 1000 for ns, _ in sorted(events)]
-    peak = max([baseline, *running])
     return MemoryTimeline(
-        times_us=times, by_category=by_category, peak_bytes=peak, baseline_bytes=baseline, events=events
+        times_us=[ns / 1000 for ns, _ in folded.timeline],
+        by_category=by_category,
+        peak_bytes=folded.peak_bytes,
+        baseline_bytes=baseline,
+        events=events,
     )
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout
+from lightning_sac.sharding.layout import FSDPUnit, ShardedLayout, inside_a_unit
 
 __all__ = ["declared_layout", "declared_units"]
 
@@ -105,7 +105,7 @@ def declared_layout(
         trainable = [i for i, p in enumerate(own) if p.requires_grad]
         # A unit inside no unit before it is a root of its forward: fully_shard's default keeps its parameters
         # gathered from forward to backward.
-        is_root = not any(u.fqn == "" or fqn.startswith(u.fqn + ".") for u in units)
+        is_root = not inside_a_unit(fqn, units)
         units.append(
             FSDPUnit(
                 fqn=fqn,

@@ -11,6 +11,7 @@ units it prefetches.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,11 @@ class FSDPUnit:
     compute_grad_bytes: int | None = None
 
 
+def inside_a_unit(fqn: str, units: Iterable[FSDPUnit]) -> bool:
+    """Whether module ``fqn`` lies inside another of ``units``; a unit inside none is a root of its own forward."""
+    return any(u.fqn != fqn and (u.fqn == "" or fqn.startswith(u.fqn + ".")) for u in units)
+
+
 @dataclass
 class ShardedLayout:
     """The FSDP units of a model and the world they are sharded over.
@@ -195,7 +201,7 @@ def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
             # A root (a unit inside no other unit) keeps its parameters gathered from forward to backward when
             # resharding is left to FSDP.
             fqn = clean_fqn(names[id(m)])
-            is_root = not any(fqn != u.fqn and (u.fqn == "" or fqn.startswith(u.fqn + ".")) for u in units)
+            is_root = not inside_a_unit(fqn, units)
             reshard = group.post_forward_mesh_info is not None and not (is_root and state._auto_reshard_after_forward)
             unit = FSDPUnit(
                 fqn=fqn,

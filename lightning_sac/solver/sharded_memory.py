@@ -28,7 +28,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from lightning_sac.dryrun import MemorySnapshot, ModelProfile
-from lightning_sac.sharding import FSDPUnit, ShardedLayout
+from lightning_sac.sharding import FSDPUnit, ShardedLayout, inside_a_unit
 
 __all__ = ["ShardedStep"]
 
@@ -138,7 +138,7 @@ class ShardedStep:
         largest = {
             k: max(u.buffer_bytes for u, st in zip(units, buffer_starts, strict=True) if k in st) for k in self._starts
         }
-        roots = [u.fqn for u in units if not any(o.fqn != u.fqn and _inside(u.fqn, o.fqn) for o in units)]
+        roots = [u.fqn for u in units if not inside_a_unit(u.fqn, units)]
         root_ends = {first[("fwd_post", fqn)] for fqn in roots if ("fwd_post", fqn) in first}
         self._held, held = [], 0
         for k in range(len(timeline)):

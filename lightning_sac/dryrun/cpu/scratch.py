@@ -42,7 +42,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_sac.dryrun.cpu.scratch_store import ScratchStore, default_cache_dir
 
-__all__ = ["MEASURED_OPS", "KernelScratch", "kernel_scratch", "peak_beyond", "probe_limit_bytes", "scratch_bound"]
+__all__ = [
+    "MEASURED_OPS",
+    "KernelScratch",
+    "call_signature",
+    "kernel_scratch",
+    "peak_beyond",
+    "probe_limit_bytes",
+    "real_zeros_like",
+    "scratch_bound",
+]
 
 aten = torch.ops.aten
 GIB = 2**30
@@ -162,19 +171,20 @@ def peak_beyond(run: Callable[[], Any]) -> tuple[Any, int]:
     return out, max(0, peak - kept)
 
 
-def _signature(x: Any) -> Any:
+def call_signature(x: Any) -> Any:
+    """What of a call's arguments decides a kernel's scratch: each tensor's shape, strides, offset and dtype."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype)
     if isinstance(x, (list, tuple)):
-        return tuple(_signature(v) for v in x)
+        return tuple(call_signature(v) for v in x)
     return x
 
 
-def _zeros_like(x: Any) -> Any:
-    """A real zero-filled CPU tensor of the fake tensor's shape, strides, offset and dtype."""
+def real_zeros_like(x: Any) -> Any:
+    """A real zero-filled tensor of the fake tensor's shape, strides, offset, dtype and device."""
     if not isinstance(x, torch.Tensor):
         return x
-    base = torch.zeros(_extent_bytes(x) // x.element_size(), dtype=x.dtype)
+    base = torch.zeros(_extent_bytes(x) // x.element_size(), dtype=x.dtype, device=x.device)
     return base.as_strided(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()))
 
 
@@ -225,7 +235,7 @@ class KernelScratch:
         # backward holds nothing on one thread, 136 KiB on two, 1 MiB on sixteen), and PyTorch's choice of backend
         # whether oneDNN is enabled: both are part of the signature, measured as the process runs now; so are the
         # switches that select oneDNN's kernels (deterministic ones, a reduced fp32 precision).
-        signature = (_signature(args), _signature(tuple(sorted(kwargs.items()))))
+        signature = (call_signature(args), call_signature(tuple(sorted(kwargs.items()))))
         settings = (
             torch.get_num_threads(),
             torch.backends.mkldnn.enabled,
@@ -268,7 +278,7 @@ class KernelScratch:
             torch.no_grad(),
             torch.autocast("cpu", enabled=False),
         ):
-            real_args, real_kwargs = tree_map(_zeros_like, (args, kwargs))
+            real_args, real_kwargs = tree_map(real_zeros_like, (args, kwargs))
             out, scratch = peak_beyond(lambda: func(*real_args, **real_kwargs))
             del out
         return scratch

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_sac.devices import DeviceSpec, driver_name_entry
+from lightning_sac.dryrun.cpu.scratch import call_signature, real_zeros_like
 from lightning_sac.dryrun.cuda.sdpa import attention_workspace_bytes
 
 __all__ = [
@@ -139,23 +140,6 @@ def cudnn_flags() -> tuple[bool, bool, bool, bool]:
     return bool(ctx.enabled), bool(ctx.benchmark), deterministic, bool(ctx.allow_tf32)
 
 
-def _signature(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape), tuple(x.stride()), int(x.storage_offset()), x.dtype, str(x.device))
-    if isinstance(x, (list, tuple)):
-        return tuple(_signature(v) for v in x)
-    return x
-
-
-def _zeros_like(x: Any) -> Any:
-    """A real zero-filled tensor of the fake one's shape, strides, offset, dtype and device."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    extent = int(x.storage_offset()) + 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride(), strict=True))
-    base = torch.zeros(max(extent, 0), dtype=x.dtype, device=x.device)
-    return base.as_strided(tuple(x.shape), tuple(x.stride()), int(x.storage_offset()))
-
-
 class CudnnWorkspace:
     """The workspace of convolution calls on this GPU: measured once per signature and cached for the process.
 
@@ -176,7 +160,8 @@ class CudnnWorkspace:
         """Bytes cuDNN's workspace takes within this call on this GPU (0 for other ops)."""
         if func not in CONVOLUTION_OPS:
             return 0
-        key = (func, _signature(args), _signature(tuple(sorted(kwargs.items()))), cudnn_flags())
+        device = next((str(t.device) for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+        key = (func, device, call_signature(args), call_signature(tuple(sorted(kwargs.items()))), cudnn_flags())
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -203,7 +188,7 @@ class CudnnWorkspace:
             torch.no_grad(),
             torch.autocast("cuda", enabled=False),
         ):
-            real_args, real_kwargs = tree_map(_zeros_like, (args, kwargs))
+            real_args, real_kwargs = tree_map(real_zeros_like, (args, kwargs))
             scratch = 0
             for _ in range(2):  # the first call picks (with benchmark on: times) the engine; a step holds the second's
                 torch.cuda.synchronize()

@@ -27,11 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _p in (_ROOT, os.path.join(_ROOT, "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from sharded_fits import tiny_llama  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.profiler import ProfilerActivity, record_function  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
@@ -57,23 +59,8 @@ CELLS = [
 
 
 def llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        use_cache=False,
-    )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).train()
+    return tiny_llama()
 
 
 def batch() -> dict[str, torch.Tensor]:

@@ -13,9 +13,10 @@ printed by ``benchmarks/``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,20 @@ CASES = {"gpt": gpt_case, "mlp": mlp_case, "conv": conv_case}
 @pytest.fixture(params=sorted(CASES))
 def case(request: pytest.FixtureRequest) -> Case:
     return CASES[request.param]()
+
+
+@contextlib.contextmanager
+def fake_ranks(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of torch's ``fake`` process group of ``world_size`` ranks: FSDP shards as over a real
+    one, its collectives move no data and need no other process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:

@@ -34,7 +34,7 @@ from zoo import lm_batch
 
 from lightning_sac import AutoSAC
 
-__all__ = ["CPUFSDPStrategy", "CellResult", "LlamaModule", "run_cells"]
+__all__ = ["CPUFSDPStrategy", "CellResult", "LlamaModule", "run_cells", "tiny_llama"]
 
 STEPS = 2  # the plan is applied from the first step; the second has the previous step's gradients and optimizer state
 
@@ -56,7 +56,8 @@ class CPUFSDPStrategy(FSDPStrategy):
         return model
 
 
-def _llama() -> torch.nn.Module:
+def tiny_llama() -> torch.nn.Module:
+    """The matrix's model: a Hugging Face Llama of 3 layers, hidden 64 (unseeded: callers seed)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging
 
@@ -87,7 +88,7 @@ class LlamaModule(pl.LightningModule):
         self.mixed = mixed  # FSDP2's MixedPrecisionPolicy as torchtitan sets it: bf16 parameters, fp32 reduction
         self.keep = keep  # reshard_after_forward=False: each unit's parameters stay gathered until its backward
         self.hsdp = hsdp  # a 2-D mesh: parameters sharded within a group of ranks, replicated across the two groups
-        self.model = _llama()
+        self.model = tiny_llama()
         self.losses: list[float] = []
 
     def configure_model(self) -> None:

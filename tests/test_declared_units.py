@@ -10,10 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import fake_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from zoo import _llama_config
 
 from lightning_sac.sharding import sharded_layout
@@ -33,11 +32,8 @@ def tiny_llama(tie: bool = False) -> nn.Module:
 
 @pytest.fixture
 def fake_world() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    try:
+    with fake_ranks(WORLD):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _shard(model: nn.Module, units: list[str], mp: MixedPrecisionPolicy | None = None) -> None:
@@ -81,13 +77,10 @@ def test_a_pattern_naming_no_module_says_what_to_give() -> None:
 
 def test_on_one_rank_fsdp2_has_no_all_gather_buffer() -> None:
     # World size 1: FSDP2 copies the shards straight into the unsharded parameters, with no all-gather.
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
+    with fake_ranks(1):
         model = tiny_llama()
         _shard(model, declared_units(model, ["model.layers.*"]))
         real = sharded_layout(model)
-    finally:
-        dist.destroy_process_group()
     declared = declared_layout(tiny_llama(), ["model.layers.*"], 1)
     assert real == declared
     assert all(u.buffer_bytes == 0 and u.gathered_bytes == u.param_bytes > 0 for u in declared.units)

@@ -10,22 +10,18 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import fake_ranks
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_sac.dryrun.emulation import fake_copy
 
 
 @pytest.fixture
 def four_ranks() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_ranks(4):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(mp: MixedPrecisionPolicy) -> nn.Module:

@@ -11,10 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
+from conftest import fake_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_sac.devices import get_device_spec
 from lightning_sac.dryrun.data import ModelProfile, TimelineEvent
@@ -26,11 +25,8 @@ F32 = 4
 
 @pytest.fixture
 def four_ranks() -> Iterator[None]:
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
+    with fake_ranks(4):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def two_units() -> nn.Module:

@@ -24,6 +24,7 @@ NAMES = {
     "fsdp2": "FSDP2",
     "fsdp2-mp": "FSDP2, bf16 parameters, fp32 reduction",
     "fsdp2-keep": "FSDP2, `reshard_after_forward=False`",
+    "fsdp2-reshard2": "FSDP2, `reshard_after_forward=2`",
     "hsdp": "HSDP 2 x 2",
     "fsdp1": "FSDP1",
 }
@@ -31,7 +32,7 @@ NAMES = {
 STRATEGIES = {
     1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
     2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
-    4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp", "fsdp1"),
+    4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "fsdp1"),
 }
 
 

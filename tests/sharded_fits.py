@@ -5,9 +5,10 @@ environment Lightning reads for processes created outside it (``LOCAL_RANK``, ``
 processes run the plain fit and the planned one. The model is a Hugging Face Llama decoder (tiny config) in the
 usual LightningModule; under FSDP2 ``configure_model`` shards each decoder layer and then the model with
 ``fully_shard`` (``fsdp2-mp``: with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, as
-torchtitan does; ``fsdp2-keep``: ``reshard_after_forward=False``; ``hsdp``: over a 2 x (world / 2) replicate x
-shard mesh), under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks come
-from :class:`fit_harness.BatchPeaks` (torch.profiler, started after sharding), independently of AutoSAC.
+torchtitan does; ``fsdp2-keep``: ``reshard_after_forward=False``; ``fsdp2-reshard2``: ``reshard_after_forward=2``
+(each rank keeps half of a unit's gathered parameters from forward to backward); ``hsdp``: over a 2 x (world / 2)
+replicate x shard mesh), under FSDP1 Lightning's ``FSDPStrategy`` wraps each decoder layer. Each rank's batch peaks
+come from :class:`fit_harness.BatchPeaks` (torch.profiler, started after sharding), independently of AutoSAC.
 
 Lightning refuses ``FSDPStrategy`` on CPU (``type(strategy) is FSDPStrategy`` and a CPU accelerator) and FSDP1
 itself needs ``device_id`` on CPU; :class:`CPUFSDPStrategy` passes ``device_id=cpu`` and, being a subclass, is
@@ -80,13 +81,14 @@ class LlamaModule(pl.LightningModule):
     """``self.model(**batch).loss`` of a tiny Llama; FSDP2 shards it in ``configure_model`` when asked to."""
 
     def __init__(
-        self, fsdp2: bool, units: str = "layers", mixed: bool = False, keep: bool = False, hsdp: bool = False
+        self, fsdp2: bool, units: str = "layers", mixed: bool = False, reshard: bool | int = True, hsdp: bool = False
     ) -> None:
         super().__init__()
         self.fsdp2 = fsdp2
         self.units = units
         self.mixed = mixed  # FSDP2's MixedPrecisionPolicy as torchtitan sets it: bf16 parameters, fp32 reduction
-        self.keep = keep  # reshard_after_forward=False: each unit's parameters stay gathered until its backward
+        # reshard_after_forward: False keeps each unit's parameters gathered until its backward; N keeps 1/N of them
+        self.reshard = reshard
         self.hsdp = hsdp  # a 2-D mesh: parameters sharded within a group of ranks, replicated across the two groups
         self.model = tiny_llama()
         self.losses: list[float] = []
@@ -103,8 +105,8 @@ class LlamaModule(pl.LightningModule):
             mesh = init_device_mesh("cpu", (2, mesh.size() // 2), mesh_dim_names=("replicate", "shard"))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.mixed else None
         kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
-        if self.keep:
-            kw["reshard_after_forward"] = False
+        if self.reshard is not True:
+            kw["reshard_after_forward"] = self.reshard
         for layer in self.model.model.layers:
             if self.units == "sublayers":  # attention and MLP each a unit: a decoder layer contains two
                 fully_shard(layer.self_attn, **kw)
@@ -132,7 +134,7 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
         return "auto"
     if name == "ddp":
         return DDPStrategy(process_group_backend="gloo")
-    if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp"):
+    if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp"):
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
     if name == "fsdp1":
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -148,7 +150,7 @@ def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], u
         fsdp2=strategy.startswith("fsdp2") or strategy == "hsdp",
         units=units,
         mixed=strategy == "fsdp2-mp",
-        keep=strategy == "fsdp2-keep",
+        reshard={"fsdp2-keep": False, "fsdp2-reshard2": 2}.get(strategy, True),
         hsdp=strategy == "hsdp",
     )
     trainer = pl.Trainer(
@@ -249,7 +251,7 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
 def _combos(strategies: tuple[str, ...], precisions: tuple[str, ...]) -> list[tuple[str, str]]:
     # FSDP2's own mixed precision (bf16 parameters, fp32 reduction) runs without Lightning's autocast, as torchtitan
     # runs it: only in "32-true"; so do reshard_after_forward=False and HSDP, whose precision changes nothing they test.
-    fp32_only = ("fsdp2-mp", "fsdp2-keep", "hsdp")
+    fp32_only = ("fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp")
     return [(s, p) for s in strategies for p in precisions if s not in fp32_only or p == "32-true"]
 
 

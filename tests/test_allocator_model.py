@@ -150,7 +150,7 @@ def _gpt_h100_profile():
     torch.manual_seed(0)
     with torch.device("meta"):
         model = GPT(config)
-    idx = torch.randint(0, config.vocab_size, (16, 512))
+    idx = torch.randint(0, config.vocab_size, (24, 512))
 
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), idx.flatten())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import fake_ranks
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_sac.devices import get_device_spec
 from lightning_sac.dryrun.data import ModelProfile, TimelineEvent
@@ -167,3 +167,84 @@ def test_a_checkpoint_containing_units_keeps_them_gathered_after_its_recompute()
     assert unprefetched.recompute_gathers("", 7) == unprefetched.recompute_gathers("", 8) == 140  # a, early
     assert unprefetched.recompute_gathers("", 9) == 0  # a's own backward gathers it
     assert unprefetched.recompute_gathers("1", 7) == 0  # a unit's own recompute gathers nothing more
+
+
+def test_offloaded_units_are_read_from_the_offload_policy(four_ranks: None) -> None:
+    model = two_units()
+    fully_shard(model[0], offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model[1])
+    layout = sharded_layout(model)
+    assert layout is not None
+    assert [u.offload for u in layout.units] == [True, False]
+
+
+def offloaded(unit: FSDPUnit) -> FSDPUnit:
+    return FSDPUnit(**{**unit.__dict__, "offload": True})
+
+
+def test_an_offloaded_unit_holds_on_the_device_only_what_it_gathers() -> None:
+    fsdp = step(offloaded(A), B)
+    # a's shards (56 of parameters, 56 of gradients) and their AdamW state (2 x 56) are on the host; b's (24, 24,
+    # 2 x 24) stay. Each figure below is its test_bytes_at_each_moment_with_fsdp2_default_backward_prefetch twin
+    # less a's 56 + 112 (and a's gradient shard where one exists).
+    plain = step(A, B)
+    b_opt = round(OPT * 24 / P)
+    assert b_opt == 48
+    # a's forward: a gathered and its buffer, b's shard, b's gradient shard and state. At the moment of a's
+    # all-gather, its shard copied to the device (56) is alive too.
+    assert at(fsdp, 1) == 24 + 140 + b_opt + 24 + 224 == at(plain, 1) - 56 - 112 - 56
+    assert at(fsdp, 1, moment=True) == at(fsdp, 1) + 56
+    assert at(fsdp, 3) == 100 + 24 + 72 + b_opt + 24 + 96  # b's own gather: no copy of an offloaded shard
+    assert at(fsdp, 3, moment=True) == at(fsdp, 3)
+    # b's backward issues a's gather too (prefetch): a's shard copy at that moment, beside both buffers.
+    assert at(fsdp, 6, moment=True) == 150 + 24 + 72 + b_opt + 96 + 224 + 56
+    # a's backward ends: its gradients, the reduce-scatter's input, and its new gradient shard (56), on the device
+    # until it is copied to the host (the plain step counts a's gradient shard only after its backward).
+    assert at(fsdp, 9) == at(plain, 9) - 56 - 112 + 56
+    # The optimizer step: b's shard, state and gradient shard alone.
+    assert at(fsdp, 10) == 24 + b_opt + 24 == at(plain, 10) - 56 - 112 - 56
+
+
+def test_the_optimizer_steps_offloaded_shards_on_the_host() -> None:
+    # The optimizer's temporaries (here 60 bytes) are made where its shards are: all on the host when every unit
+    # is offloaded, so the device holds nothing of the optimizer step.
+    fsdp = step(offloaded(A), offloaded(B))
+    snapshot = {**EVENTS[10][2], "temporary": 60}
+    assert fsdp.bytes_at(10, snapshot) == 0
+    assert step(A, B).bytes_at(10, snapshot) == SHARDS + OPT_SHARDS + 80 + 60
+
+
+def test_offload_moves_nothing_on_a_cpu_device(four_ranks: None) -> None:
+    # Why the strategy matrix has no measured offload cell: on a CPU device, FSDP2's copy of an offloaded shard to
+    # the device (FSDPParam.all_gather_inputs, ``.to(device)``) is the shard itself, so a CPU run holds the same
+    # bytes with offload as without, and cannot measure what offload takes off a GPU.
+    model = two_units()
+    fully_shard(model[0], offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model)
+    model(torch.randn(2, 6)).sum().backward()
+    params = model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params
+    assert params and all(p.offload_to_cpu for p in params)
+    for p in params:
+        assert p.all_gather_inputs[0].untyped_storage().data_ptr() == p._sharded_param_data.untyped_storage().data_ptr()
+
+
+def test_reshard_after_forward_to_fewer_ranks_keeps_a_share(four_ranks: None) -> None:
+    model = nn.Sequential(two_units(), nn.Linear(3, 2))
+    fully_shard(model[0][0], reshard_after_forward=2)
+    fully_shard(model[0][1], reshard_after_forward=4)  # the whole shard group: the same as True
+    fully_shard(model)
+    by_fqn = {u.fqn: u for u in sharded_layout(model).units}
+    # a's all-gather output (4 ranks x 14 padded elements x 4 bytes = 224) resharded over 2 ranks: 112 kept.
+    assert by_fqn["0.0"].reshard_after_forward and by_fqn["0.0"].post_forward_bytes == 224 // 2
+    assert by_fqn["0.1"].reshard_after_forward and by_fqn["0.1"].post_forward_bytes == 0
+    model(torch.randn(2, 6))  # FSDP's own post-forward shards, against the layout's figure
+    kept = model[0][0]._get_fsdp_state()._fsdp_param_group.fsdp_params
+    assert sum(p._sharded_post_forward_param_data.nbytes for p in kept) == 112
+
+
+def test_a_unit_resharded_over_fewer_ranks_holds_its_share_until_its_backward() -> None:
+    fsdp, plain = step(FSDPUnit(**{**A.__dict__, "post_forward_bytes": 112}), B), step(A, B)
+    # a's forward ends at event 2 (still gathered there); its backward copies its parameters out at event 8.
+    assert at(fsdp, 2) == at(plain, 2)
+    assert [at(fsdp, k) - at(plain, k) for k in range(3, 8)] == [112] * 5
+    assert at(fsdp, 8) == at(plain, 8)

@@ -2,7 +2,8 @@
 
 The strategies: one device, DDP, FSDP2, FSDP2 with its own mixed precision (``fsdp2-mp``: bf16 parameters gathered
 and computed, fp32 reduction, Lightning's "32-true"; the dry run computes as the unit casts), FSDP2 with
-``reshard_after_forward=False`` (``fsdp2-keep``), HSDP on 4 ranks (``hsdp``: 2 x 2, replicate x shard), FSDP1.
+``reshard_after_forward=False`` (``fsdp2-keep``) and ``=2`` on 4 ranks (``fsdp2-reshard2``), HSDP on 4 ranks
+(``hsdp``: 2 x 2, replicate x shard), FSDP1. FSDP2 with ``CPUOffloadPolicy`` is listed and skipped (see ``OFFLOAD``).
 
 Each cell fits plain, then with AutoSAC at 80% of the cell's own measured plain per-rank peak (the highest over
 ranks and batches), on a tiny Hugging Face Llama (see ``sharded_fits``). Accept: a non-empty plan, identical on
@@ -31,7 +32,7 @@ def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str]
     by_size = {
         1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
         2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
-        4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "hsdp", "fsdp1"),
+        4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "fsdp1"),
     }
     strategies = by_size[world_size]
     out = Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_"))
@@ -43,8 +44,22 @@ def _cells() -> list:
     params = [pytest.param(s, w, p, id=f"{s}-{p}-ws{w}", marks=pytest.mark.slow) for s, w in cells for p in PRECISIONS]
     # FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction) under Lightning's "32-true" (FSDP casts, not
     # autocast), reshard_after_forward=False, and HSDP (a 2 x 2 replicate x shard mesh).
-    extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-mp", 4), ("fsdp2-keep", 2), ("fsdp2-keep", 4), ("hsdp", 4)]
-    return params + [pytest.param(s, w, "32-true", id=f"{s}-32-true-ws{w}", marks=pytest.mark.slow) for s, w in extra]
+    extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-mp", 4), ("fsdp2-keep", 2), ("fsdp2-keep", 4)]
+    extra += [("fsdp2-reshard2", 4), ("hsdp", 4)]  # reshard_after_forward=2: half of each unit kept after forward
+    params += [pytest.param(s, w, "32-true", id=f"{s}-32-true-ws{w}", marks=pytest.mark.slow) for s, w in extra]
+    return [*params, pytest.param("fsdp2-offload", 2, "32-true", id="fsdp2-offload-32-true-ws2", marks=OFFLOAD)]
+
+
+# FSDP2's CPUOffloadPolicy cannot be measured on this machine: its copy of a shard to a CPU device is the shard itself
+# (tests/test_sharded_memory.py::test_offload_moves_nothing_on_a_cpu_device), so the measured peak is the same with
+# offload as without. The memory model's offload rules are tested by hand in tests/test_sharded_memory.py.
+OFFLOAD = [
+    pytest.mark.slow,
+    pytest.mark.skip(
+        reason="offload moves nothing on a CPU device (FSDP2 copies a shard to the device as the shard itself): "
+        "what it takes off a GPU cannot be measured here; the memory model's offload rules are tested by hand"
+    ),
+]
 
 
 @pytest.mark.parametrize(("strategy", "world_size", "precision"), _cells())

@@ -22,6 +22,7 @@ from lightning_sac.adapters import CacheSwitch
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.conv_workspace import cuda_workspace
+from lightning_sac.dryrun.cuda.optimizers import foreach_as_on_cuda
 from lightning_sac.dryrun.emulation import CudaEmulation, cpu_output_bytes, cpu_workspace_bytes, fake_copy
 from lightning_sac.dryrun.modules.own_checkpoints import CheckpointWatch, checkpointing_flags, flags_off
 from lightning_sac.dryrun.recorder import StepRecorder
@@ -202,6 +203,8 @@ def record_step(
     spec = step.device
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
     emulation = CudaEmulation(spec) if spec.is_cuda and run_on == "cpu" else contextlib.nullcontext()
+    # The optimizers' foreach implementation, which they take on a GPU and not on fake tensors (cuda/optimizers.py).
+    foreach: Any = foreach_as_on_cuda(emulated=run_on == "cpu") if spec.is_cuda else contextlib.nullcontext()
     forward, manual = step.compute_loss, step.manual
     if (forward is None) == (manual is None):
         raise ValueError("A StepSpec takes compute_loss or manual, exactly one of them.")
@@ -245,6 +248,7 @@ def record_step(
         real_values,
         routing,
         emulation,
+        foreach,
     ):
         optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
         real_in("optimizer")

@@ -112,6 +112,13 @@ class FSDPUnit:
             uses on one rank: its parameters are used in place and its gradients all-reduced in place).
         compute_grad_bytes: Bytes of its unsharded gradients as autograd makes them, in the compute dtype (FSDP2:
             each parameter's as its backward reaches it, as the dry run counts them); ``None``: ``grad_bytes``.
+        post_forward_bytes: Bytes of its parameters it keeps from the end of its forward until its backward
+            gathers them again when ``reshard_after_forward`` is an int smaller than its shard group (FSDP2's
+            ``FSDPParam.to_sharded_post_forward``: the gathered parameters resharded over that many ranks, in the
+            compute dtype); 0 otherwise.
+        offload: Its parameter shards, gradient shards and their optimizer state live in host memory (FSDP2's
+            ``CPUOffloadPolicy``, FSDP1's ``CPUOffload(offload_params=True)``): the device holds its parameters
+            only while they are gathered, and its optimizer steps on the host.
     """
 
     fqn: str
@@ -127,6 +134,8 @@ class FSDPUnit:
     backward_prefetch: list[str] | None = None
     scatter_bytes: int | None = None
     compute_grad_bytes: int | None = None
+    post_forward_bytes: int = 0
+    offload: bool = False
 
 
 def inside_a_unit(fqn: str, units: Iterable[FSDPUnit]) -> bool:
@@ -168,7 +177,7 @@ def _shard_bytes(param: Any) -> int:
 
 
 def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     units: list[FSDPUnit] = []
     world = 1
@@ -203,6 +212,10 @@ def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
             fqn = clean_fqn(names[id(m)])
             is_root = not inside_a_unit(fqn, units)
             reshard = group.post_forward_mesh_info is not None and not (is_root and state._auto_reshard_after_forward)
+            # reshard_after_forward=N < the shard group: each rank keeps 1/N of the gathered parameters after forward.
+            post_mesh = group.post_forward_mesh_info
+            post = post_mesh.shard_mesh_size if reshard and post_mesh is not None else mesh.shard_mesh_size
+            kept = padded // post if post < mesh.shard_mesh_size else 0  # the all-gather's output over N ranks
             unit = FSDPUnit(
                 fqn=fqn,
                 shard_bytes=shard,
@@ -218,6 +231,8 @@ def _fsdp2_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
                 param_bytes=sum(_nbytes(p._orig_size.numel(), p.sharded_param.dtype) for p in params),
                 trainable=bool(trainable),
                 reshard_after_forward=reshard,
+                post_forward_bytes=kept,
+                offload=isinstance(group.offload_policy, CPUOffloadPolicy),
             )
             units.append(unit)
             prefetch.append((unit, state))
@@ -263,6 +278,7 @@ def _fsdp1_units(model: nn.Module, names: dict[int, str]) -> ShardedLayout:
                 reshard_after_forward=bool(units) and handle._sharding_strategy.name == "FULL_SHARD",
                 backward_prefetch=None if m.backward_prefetch is not None else [],
                 scatter_bytes=None if sharded else 0,
+                offload=m.cpu_offload.offload_params,
             )
         )
     return ShardedLayout("fsdp1", world, units)

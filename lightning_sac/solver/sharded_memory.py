@@ -17,6 +17,16 @@ and optimizer state are replaced by what FSDP keeps on one rank:
   flat gradient whole), and at its end a second copy of them, the reduce-scatter's input;
 - optimizer state divided as the parameters are.
 
+A unit resharded after forward over fewer ranks than it is sharded over (FSDP2's ``reshard_after_forward=N``)
+keeps 1/N of its gathered parameters from the end of its forward until its backward copies them out again.
+
+A unit whose shards FSDP offloads to the host (:attr:`~lightning_sac.sharding.FSDPUnit.offload`) holds on the
+device only what it gathers: no parameter shard, gradient shard or optimizer state, and the optimizer's step runs
+on the host (its temporaries too, in proportion to the offloaded shards). Its all-gather copies its shard to the
+device first (``FSDPParam.all_gather_inputs``: ``.to(device)``), a copy alive at the moment of the gather; its
+reduce-scatter's output, its new gradient shard, is on the device at the end of its backward until it is copied
+to the host. A cast of the copied shard to ``param_dtype`` under mixed precision is not counted.
+
 A checkpointed module that contains units gathers them again for its recompute, at the start of its backward,
 and they stay gathered until each one's own backward ends (FSDP does not reshard after a recompute's forward):
 :meth:`ShardedStep.recompute_gathers` is that extra, counted only when the module is checkpointed.
@@ -71,6 +81,9 @@ class ShardedStep:
     _param_bytes: int = field(init=False, repr=False)  # all units' parameters, gathered
     _shards: int = field(init=False, repr=False)  # all units' parameter shards on one rank
     _grad_shards: int = field(init=False, repr=False)  # all units' gradient shards on one rank
+    _host_shards: int = field(init=False, repr=False)  # the offloaded units' parameter shards (on the host)
+    _host_grad_shards: int = field(init=False, repr=False)  # the offloaded units' gradient shards (on the host)
+    _copies: dict[int, int] = field(init=False, repr=False)  # timeline index -> offloaded shards copied in there
     # timeline index in backward -> (finished units' gradient shards, their unsharded gradients as the dry run
     # counts them, the reduce-scatter inputs of the units ending there)
     _backward_grads: dict[int, tuple[int, int, int]] = field(init=False, repr=False)
@@ -108,7 +121,8 @@ class ShardedStep:
         # its own (FSDP2), or began just before its own (FSDP1's BACKWARD_PRE).
         by = 1 if self.layout.kind == "fsdp2" else 0
         order = sorted(range(len(units)), key=lambda i: spans[i][by])
-        self._gathered, self._starts = [], {}
+        self._gathered, self._starts, self._copies = [], {}, {}
+        kept: list[tuple[int, int, int]] = []
         buffer_starts: list[list[int]] = []
         for i, u in enumerate(units):
             fwd_pre, fwd_post, bwd_pre, bwd_post = spans[i]
@@ -126,12 +140,16 @@ class ShardedStep:
             copy_fwd, copy_bwd = (fwd_pre, bwd_pre) if self.layout.kind == "fsdp2" else (fwd_start, bwd_start)
             if u.reshard_after_forward:
                 intervals, starts = [(copy_fwd, fwd_post), (copy_bwd, bwd_post)], [fwd_start, bwd_start]
+                if u.post_forward_bytes:  # resharded over fewer ranks: kept until the backward's copy-out
+                    kept.append((fwd_post + 1, copy_bwd - 1, u.post_forward_bytes))
             else:
                 intervals, starts = [(copy_fwd, bwd_post)], [fwd_start]
             self._gathered.append(intervals)
             buffer_starts.append(starts)
             for start in starts:
                 self._starts[start] = self._starts.get(start, 0) + u.buffer_bytes
+                if u.offload:
+                    self._copies[start] = self._copies.get(start, 0) + u.shard_bytes
         # FSDP2 keeps the last all-gather's buffer until the next one (when several start together, the largest
         # is counted); a root's post-forward frees it (``FSDPState._post_forward``, for the forward's root state),
         # and so does the end of backward.
@@ -153,11 +171,17 @@ class ShardedStep:
         self._param_bytes = sum(u.param_bytes for u in units)
         self._shards = sum(u.shard_bytes for u in units)
         self._grad_shards = sum(u.grad_shard_bytes for u in units)
+        self._host_shards = sum(u.shard_bytes for u in units if u.offload)
+        self._host_grad_shards = sum(u.grad_shard_bytes for u in units if u.offload)
         gathered = [0] * (len(timeline) + 1)
         for u, intervals in zip(units, self._gathered, strict=True):
             for a, b in _union(intervals, 0, len(timeline) - 1):
                 gathered[a] += u.gathered_bytes
                 gathered[b + 1] -= u.gathered_bytes
+        for a, b, nbytes in kept:
+            if a <= b:
+                gathered[a] += nbytes
+                gathered[b + 1] -= nbytes
         self._gathered_at = list(itertools.accumulate(gathered[:-1]))
         self._backward_grads, self._recompute_series = {}, {}
 
@@ -169,7 +193,7 @@ class ShardedStep:
     def _gradients(self, k: int, snapshot: MemorySnapshot) -> int:
         units = self.layout.units
         if self._phase[k] != "backward":
-            return self._grad_shards if snapshot.get("gradient", 0) > 0 else 0
+            return self._grad_shards - self._host_grad_shards if snapshot.get("gradient", 0) > 0 else 0
         if self.layout.kind == "fsdp2":
             # FSDP2's unsharded gradients are the parameters' own, each made as backward reaches it: those of the
             # units still in backward are what the dry run holds less what the finished units made.
@@ -177,10 +201,11 @@ class ShardedStep:
                 shards = made = scatters = 0
                 for u, (_, end) in zip(units, self._bwd, strict=True):
                     if end < k:
-                        shards += u.grad_shard_bytes
+                        shards += 0 if u.offload else u.grad_shard_bytes
                         made += u.grad_bytes if u.compute_grad_bytes is None else u.compute_grad_bytes
-                    elif k == end:  # at its end, the reduce-scatter's input
+                    elif k == end:  # at its end, the reduce-scatter's input (and an offloaded unit's output)
                         scatters += u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
+                        scatters += u.grad_shard_bytes if u.offload else 0
                 self._backward_grads[k] = (shards, made, scatters)
             shards, made, scatters = self._backward_grads[k]
             return shards + max(0, snapshot.get("gradient", 0) - made) + scatters
@@ -188,9 +213,10 @@ class ShardedStep:
         total = 0
         for u, (start, end) in zip(units, self._bwd, strict=True):
             if end < k:
-                total += u.grad_shard_bytes
+                total += 0 if u.offload else u.grad_shard_bytes
             elif start <= k:
                 scatter = u.grad_bytes if u.scatter_bytes is None else u.scatter_bytes
+                scatter += u.grad_shard_bytes if u.offload else 0
                 total += u.grad_bytes + (scatter if k == end else 0)  # at its end, the reduce-scatter's input
         return total
 
@@ -211,10 +237,16 @@ class ShardedStep:
         ratio = shards / min(profiled, param_bytes) if profiled and param_bytes else 1.0
         other = sum(v for c, v in snapshot.items() if c not in ("parameter", "gradient", "optimizer_state"))
         gathered = self._gathered_at[k] if 0 <= k < len(self._gathered_at) else self._gathered_sum(k)
+        host = self._host_shards
+        if host and shards:
+            # What the optimizer holds and makes for the offloaded shards is on the host.
+            ratio *= (shards - host) / shards
+            if 0 <= k < len(self._phase) and self._phase[k] == "optimizer":
+                other -= round(snapshot.get("temporary", 0) * host / shards)
         optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
-        total = other + unmanaged + shards + gathered + optimizer + self._gradients(k, snapshot)
+        total = other + unmanaged + shards - host + gathered + optimizer + self._gradients(k, snapshot)
         if moment and k in self._starts:  # the gathers of this moment, beside the previous gather's buffer
-            return total + self._starts[k] + (self._held[k - 1] if k > 0 else 0)
+            return total + self._starts[k] + self._copies.get(k, 0) + (self._held[k - 1] if k > 0 else 0)
         return total + self._held[k]
 
     def _gathered_sum(self, k: int) -> int:

@@ -122,8 +122,23 @@ def _resnet(device: str) -> Case:
     return Case("resnet", model.to(device), (images,), loss, [labels])
 
 
+def _wide_mlp(device: str) -> Case:
+    # 64 MiB weights and a batch of 8: the activations are a few KiB, so the step's peak is AdamW's step, where the
+    # GPU's foreach implementation holds the square roots of all of exp_avg_sq at once (384 MiB here).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(6)))
+    g = torch.Generator().manual_seed(1)
+    return Case("wide_mlp", model.to(device), (torch.randn(8, 4096, generator=g).to(device),), _sum_loss)
+
+
+def _sum_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
 def build(name: str, device: str) -> Case:
-    """The model ``name`` (one of :data:`MODELS`) with its batch and loss on ``device``, from fixed seeds."""
+    """The model ``name`` (one of :data:`MODELS`, or ``"wide_mlp"``) with its batch and loss on ``device``."""
+    if name == "wide_mlp":
+        return _wide_mlp(device)
     if name == "gpt":
         return _gpt(device)
     if name in ("gpt2", "llama"):

@@ -115,3 +115,17 @@ def test_cuda_context_fits_the_device_spec(figure):
         f"the device holds {outside / 2**20:.0f} MiB outside PyTorch's allocator (the CUDA context, or another "
         f"process), the spec sets aside {spec.context_bytes / 2**20:.0f} MiB"
     )
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_optimizer_step_peak_is_the_foreach_step(path, figure):
+    # A GPU steps AdamW (foreach=None) with its foreach implementation, whose temporaries hold a copy of every
+    # exp_avg_sq at once: on a model whose optimizer step is the peak, the loop's single parameter would be 5/6 short.
+    profile = profile_for("wide_mlp", "fp32", path)
+    run = measured_plain("wide_mlp", "fp32")
+    figure.mib("predicted_peak", profile.peak_bytes)
+    figure.mib("measured_peak", run.step_peak_bytes)
+    figure("predicted_peak_at", profile.peak_location)
+    assert profile.peak_location.startswith("optimizer")
+    error = (profile.peak_bytes - run.step_peak_bytes) / run.step_peak_bytes
+    assert abs(error) <= ALLOCATED_TOLERANCE, f"predicted - measured: {error:+.2%}"

@@ -164,7 +164,7 @@ def peer_choices(profile: ModelProfile, cands: list[Candidate]) -> list[dict[str
 
     The blocks are the children of the model's longest ``ModuleList`` of one class (``model.layers.0``,
     ``model.layers.1``...: the most siblings named by their index, of one class; the first such list on a tie),
-    each at its largest discard. None when the model has no such list or one of its blocks is no candidate.
+    each at its largest discard. Empty when the model has no such list or one of its blocks is no candidate.
     """
     lists: dict[tuple[str, str], list[str]] = {}  # (the list's fqn, the class) -> its blocks, in profile order
     for fqn, m in profile.modules.items():

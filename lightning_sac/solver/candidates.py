@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 
 from lightning_sac.dryrun import ModelProfile, ModuleOpStats, ModuleProfile
+from lightning_sac.errors import BudgetError
+from lightning_sac.plan import device_reserve
 from lightning_sac.solver.masks import masked_view
 from lightning_sac.solver.memory_model import activation_windows
 from lightning_sac.solver.recompute import output_indices, recompute_transient, rerun_output_bytes
@@ -17,6 +19,7 @@ from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 
 __all__ = [
     "Candidate",
+    "budget_error",
     "excluded_reason",
     "find_candidates",
     "forward_temporaries",
@@ -234,6 +237,40 @@ def more_candidates_hint(profile: ModelProfile) -> str:
             "(model.gradient_checkpointing_disable()) or pass replace_existing=True (AutoSAC, profile_model)."
         )
     return text + " To let lightning-sac choose instead, remove the model's own torch.utils.checkpoint calls."
+
+
+def budget_error(
+    profile: ModelProfile,
+    budget_gb: float,
+    world_size: int,
+    sharding: str,
+    peak: int,
+    plain: int,
+    fragmentation: int,
+    plain_fragmentation: int,
+) -> BudgetError:
+    """The error for a budget below the least-memory plan: its tensors, and its own reserve with its fragmentation."""
+    reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
+    plain_reserve = device_reserve(profile, world_size, fragmentation_bytes=plain_fragmentation)
+    kept = (
+        f" (the tensors' {peak / 2**30:.3f} GiB plus {reserve.total / 2**30:.3f} GiB the device holds "
+        f"besides: {reserve.describe()})"
+    )
+    return BudgetError(
+        f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
+        f"{(peak + reserve.total) / 2**30:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
+        f"peak is {(plain + plain_reserve.total) / 2**30:.3f} GiB on {profile.device.name}, world size "
+        f"{world_size}, {sharding}). Raise the budget, use a smaller "
+        "batch or shorter sequences, "
+        + (
+            "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
+            if sharding == "replicated"
+            else f"shard them over more devices (world_size above {world_size})"
+        )
+        + more_candidates_hint(profile),
+        minimum_bytes=peak + reserve.total,
+        unconstrained_bytes=plain + plain_reserve.total,
+    )
 
 
 def forward_temporaries(m: ModuleProfile) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.plan import ModuleDecision
@@ -22,7 +22,22 @@ from lightning_sac.solver.recompute import (
 from lightning_sac.solver.rows import MIB, add_candidates, memory_rows
 from lightning_sac.solver.tradeoff import effective_memory
 
-__all__ = ["lowest_plan", "plan_decisions", "plan_peak", "whole_costs"]
+__all__ = [
+    "LOWER_SHARES",
+    "Found",
+    "alternative_plans",
+    "lowest_plan",
+    "peer_choices",
+    "plan_decisions",
+    "plan_peak",
+    "whole_costs",
+]
+
+#: A plan as the MILP's search gives it: its decisions, its tensors' peak, HiGHS's status and gap.
+Found = tuple[dict[str, ModuleDecision], int, str, float]
+#: The lower limits :func:`alternative_plans` solves the MILP at: the budget less these shares of its distance from
+#: the least peak the MILP reaches.
+LOWER_SHARES = (0.05, 0.1, 0.2)
 
 
 def whole_costs(
@@ -142,3 +157,56 @@ def lowest_plan(
             best = (decisions, peak, frag)
     assert best is not None
     return best
+
+
+def peer_choices(profile: ModelProfile, cands: list[Candidate]) -> list[dict[str, float]]:
+    """Full activation checkpointing, as discard ratios: each repeated block checkpointed whole.
+
+    The blocks are the children of the model's longest ``ModuleList`` of one class (``model.layers.0``,
+    ``model.layers.1``...: the most siblings named by their index, of one class; the first such list on a tie),
+    each at its largest discard. Empty when the model has no such list or one of its blocks is no candidate.
+    """
+    lists: dict[tuple[str, str], list[str]] = {}  # (the list's fqn, the class) -> its blocks, in profile order
+    for fqn, m in profile.modules.items():
+        parent, _, index = fqn.rpartition(".")
+        if index.isdigit():
+            lists.setdefault((parent, m.module_type), []).append(fqn)
+    if not lists:
+        return []
+    blocks = max(lists.values(), key=len)  # max keeps the first of the longest
+    by_fqn = {c.fqn: c for c in cands}
+    if len(blocks) < 2 or any(b not in by_fqn for b in blocks):
+        return []
+    return [{b: by_fqn[b].tradeoff.max_discard for b in blocks}]
+
+
+def alternative_plans(
+    profile: ModelProfile,
+    cands: list[Candidate],
+    constraints: list[MemoryConstraint],
+    search: Callable[[int], Found | None],
+    budget: int,
+    backend: str,
+    per_op_us: list[float],
+    measured: dict[str, list[float] | None],
+    masks: bool,
+    solves: bool = True,
+) -> Iterator[Found]:
+    """Complete plans to weigh against the MILP's at ``budget`` bytes of tensors, each with its own exact figures.
+
+    The MILP minimizes the trade-off fits' recompute, which only approximate the chosen policies' own (the fits lie
+    above each module's curve by a varying margin, and a policy frees what its ops hold rather than the ratio asked
+    for): a plan the MILP ranks above another can recompute more by the plan's own figures. So a plan the MILP finds
+    under a lower limit, which fits ``budget`` too, can be the better one, and a higher budget could get a worse
+    plan than a lower. Yielded: with ``solves``, the MILP's plans at the limits of :data:`LOWER_SHARES` (one MILP
+    for the least peak and one search each); then the peer plans of :func:`peer_choices` (with status ``"peer"``),
+    which cost no solve. Which fit is the caller's to check.
+    """
+    if solves:
+        least = _minimum_peak(cands, constraints)[0]
+        for share in LOWER_SHARES:
+            if (found := search(int(budget - share * max(0.0, budget - least)))) is not None:
+                yield found
+    for chosen in peer_choices(profile, cands):
+        decisions = plan_decisions(profile, cands, chosen, backend, per_op_us, measured, masks)
+        yield decisions, plan_peak(profile, constraints, decisions, backend), "peer", 0.0

@@ -11,15 +11,9 @@ import highspy
 
 from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.dryrun import ModelProfile, profile_fingerprint, routing_bound_bytes
-from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, StepFragmentation, check_backend, device_reserve
-from lightning_sac.solver.candidates import (
-    Candidate,
-    find_candidates,
-    more_candidates_hint,
-    op_stats,
-)
-from lightning_sac.solver.decisions import lowest_plan, plan_decisions, plan_peak, whole_costs
+from lightning_sac.solver.candidates import Candidate, budget_error, find_candidates, op_stats
+from lightning_sac.solver.decisions import Found, alternative_plans, lowest_plan, plan_decisions, plan_peak, whole_costs
 from lightning_sac.solver.highs import IntegerStart, integer_start, new_highs
 from lightning_sac.solver.masks import mask_fixed_ms, mask_unit
 from lightning_sac.solver.memory_model import (
@@ -75,6 +69,16 @@ def solve_plan(
     is the planned step's own (:mod:`lightning_sac.plan.fragmentation`): the plan is solved with an estimate, its
     allocations replayed, and solved again with its own figure, a few rounds; only a plan whose tensors and own
     fragmentation fit is kept.
+
+    The MILP prices each module with its trade-off fit, while the plan's figures are its policies' own: the plan of
+    the least fitted recompute need not be the plan of the least recompute, and a higher budget could get a plan
+    that recomputes more than a lower budget's. So, on a model of at most :data:`REFINE_CANDIDATES` candidate
+    modules, each solve (each fit, with and without masks) also weighs the MILP's plans at a few lower limits
+    (which fit this budget too), and full activation checkpointing of the model's repeated blocks, each plan by
+    its own figures; the least predicted step is kept (the MILP's on a tie;
+    :func:`~lightning_sac.solver.decisions.alternative_plans`). On a larger model the lower limits' solves would
+    cost more than the planning itself and are skipped (full checkpointing is still weighed: it costs no solve),
+    so there a higher budget can still get a plan its figures rate slower.
 
     Args:
         profile: Profile of the training step on the target device.
@@ -148,7 +152,7 @@ class _Search:
     start: IntegerStart | None = None
     milps: dict[bool, Milp] = field(default_factory=dict)  # per bound, built at its first solve
 
-    def __call__(self, budget: int) -> tuple[dict[str, ModuleDecision], int, str, float] | None:
+    def __call__(self, budget: int) -> Found | None:
         """The decisions, their tensors' peak, HiGHS's status and gap; ``None`` when no plan fits ``budget`` bytes.
 
         First with each recompute's transient as a line in its discard ratio (close to what the chosen policy
@@ -275,7 +279,7 @@ def _solve(
     # The tensors' budget depends on the fragmentation and the fragmentation on the plan: solve with an estimate
     # (first the plain step's), replay the plan's own and solve again with it, a few rounds. A plan is kept only
     # when its tensors and its own fragmentation fit; until one does, the estimate only grows.
-    kept: tuple[tuple[dict[str, ModuleDecision], int, str, float], int] | None = None
+    kept: tuple[Found, int] | None = None
     tried: list[int] = []
     for _ in range(_FRAGMENTATION_ROUNDS):
         tried.append(frag)
@@ -294,11 +298,18 @@ def _solve(
         lowest = lowest_plan(profile, cands, constraints, backend, per_op_us, measured, masks, own_fragmentation)
         decisions, peak, own = lowest
         if peak + own > room:
-            raise _budget_error(profile, budget_gb, world_size, sharding, peak, plain, own, plain_frag)
+            raise budget_error(profile, budget_gb, world_size, sharding, peak, plain, own, plain_frag)
         kept = ((decisions, peak, "Optimal (lowest peak)", 0.0), own)
         found = search(room - own) if own not in tried else None
         if found is not None and found[1] + (again := fragmentation(found[0], device_room - found[1])) <= room:
             kept = (found, again)
+    # A plan the MILP's fits rank lower can recompute less by its own figures (alternative_plans); it keeps the
+    # MILP's status, which says how the search ended.
+    solves = len(cands) <= REFINE_CANDIDATES
+    others = (search, room - kept[1], backend, per_op_us, measured, masks, solves)
+    for d, p, *_ in alternative_plans(profile, cands, constraints, *others):
+        if _added_ms(d) < _added_ms(kept[0][0]) and p + (f := fragmentation(d, device_room - p)) <= room:
+            kept = ((d, p, *kept[0][2:]), f)
     (decisions, peak, status_text, gap), own = kept
     plan.decisions, plan.predicted_peak_bytes, plan.reserve = decisions, peak, _reserve(profile, world_size, own)
     plan.predicted_recompute_ms = sum(d.recompute_ms for d in plan.decisions.values())
@@ -312,37 +323,3 @@ def _solve(
 def _reserve(profile: ModelProfile, world_size: int, fragmentation: int) -> dict[str, int]:
     reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
     return reserve.to_dict() if reserve.total else {}
-
-
-def _budget_error(
-    profile: ModelProfile,
-    budget_gb: float,
-    world_size: int,
-    sharding: str,
-    peak: int,
-    plain: int,
-    fragmentation: int,
-    plain_fragmentation: int,
-) -> BudgetError:
-    """The error for a budget below the least-memory plan: its tensors, and its own reserve with its fragmentation."""
-    reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
-    plain_reserve = device_reserve(profile, world_size, fragmentation_bytes=plain_fragmentation)
-    kept = (
-        f" (the tensors' {peak / _GIB:.3f} GiB plus {reserve.total / _GIB:.3f} GiB the device holds "
-        f"besides: {reserve.describe()})"
-    )
-    return BudgetError(
-        f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
-        f"{(peak + reserve.total) / _GIB:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
-        f"peak is {(plain + plain_reserve.total) / _GIB:.3f} GiB on {profile.device.name}, world size "
-        f"{world_size}, {sharding}). Raise the budget, use a smaller "
-        "batch or shorter sequences, "
-        + (
-            "shard parameters, gradients and optimizer state over N devices (sharding='sharded', world_size=N)"
-            if sharding == "replicated"
-            else f"shard them over more devices (world_size above {world_size})"
-        )
-        + more_candidates_hint(profile),
-        minimum_bytes=peak + reserve.total,
-        unconstrained_bytes=plain + plain_reserve.total,
-    )

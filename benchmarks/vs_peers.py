@@ -14,18 +14,27 @@ configuration per round, in a new order each round); a configuration's overhead 
 step minus the plain step of the same round, over the plain step's median. Each goal's ratio is printed with its
 10th-90th percentile band over resamplings of the rounds, the noise of this machine. Goals (issue 17): at each peer's
 peak, our overhead at most 0.85x torchtitan's and at most 1.0x full AC's, our measured peak at most 1% above the
-peer's. Like ``step_overhead.py``, the script re-runs itself with glibc's malloc told to keep freed memory, as a
+peer's.
+
+``--compile``: every configuration runs under ``torch.compile`` (inductor on this CPU), and the peers are compile's
+own memory budget, ``torch._functorch.config.activation_memory_budget`` at each of ``--compile-budgets`` (its default
+solver), which makes the partitioner recompute to save that share of the activations; ours is the plan applied and
+then compiled (the policies traced into the compiled graph), at each of their measured peaks. Overheads are against
+the compiled plain step; the report says whether compile's peaks fell as its budget did. Like ``step_overhead.py``,
+the script re-runs itself with glibc's malloc told to keep freed memory, as a
 GPU's caching allocator does (``--system-malloc`` keeps the defaults). ``--png`` draws the memory/time frontier,
 ``--logdir`` adds it to TensorBoard as a figure.
 
     python benchmarks/vs_peers.py
     python benchmarks/vs_peers.py --model llama --png docs/figures/vs_peers_llama.png
+    python benchmarks/vs_peers.py --model llama --compile
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import math
 import os
 import random
@@ -53,6 +62,7 @@ GIB, MIB = 2**30, 2**20
 CACHING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 PEERS = {"full AC": full_ac, "torchtitan op-SAC": titan_op_sac, "HF checkpointing": hf_gradient_checkpointing}
 GOALS = {"torchtitan op-SAC": 0.85, "full AC": 1.0}  # our overhead over the peer's, at the peer's peak
+COMPILE_GOAL = 1.0  # under --compile: our overhead over compile's own, at each of its budgets' peaks
 PEAK_GOAL = 0.01  # our measured peak at most this far above the peer's
 MODEL_SLACK = 1e-4  # see ours()
 
@@ -135,6 +145,34 @@ def hf_llama(args: argparse.Namespace) -> Case:
     return case
 
 
+class _Compiled(nn.Module):
+    """``model`` under ``torch.compile``, compiled (at its first call) with compile's memory budget ``budget``.
+
+    The budget is a setting of the partitioner read when the graph is compiled; it is patched around every call
+    so that each configuration's graphs are compiled, and any recompile is, under its own.
+    """
+
+    def __init__(self, model: nn.Module, budget: float = 1.0) -> None:
+        super().__init__()
+        self.budget = budget
+        self.inner = model
+        self.compiled = torch.compile(model)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.compiled(*args, **kwargs)
+
+
+def compile_peers(case: Case, budgets: list[float]) -> dict[str, Callable[[], nn.Module]]:
+    """Compile's own memory budget at each of ``budgets``: a fresh compiled copy of the model per call."""
+    return {
+        f"compile budget {b:g}": (lambda b=b: _Compiled(copy.deepcopy(case.model), b))  # type: ignore[misc]
+        for b in budgets
+    }
+
+
 def measured_peak(case: Case, model: nn.Module) -> int:
     """The peak of one real step of ``model`` (which it trains: pass a copy)."""
     step = measure_training_step(model, case.batch, loss_fn=case.loss_fn, optimizer_factory=case.optimizer)
@@ -182,7 +220,9 @@ def ratio_band(ours: Config, peer: Config, plain: Config, resamples: int = 1000)
     return deciles[0], deciles[-1]
 
 
-def ours(case: Case, profile: Any, budget: int, label: str, peer: str | None = None) -> Config | None:
+def ours(
+    case: Case, profile: Any, budget: int, label: str, peer: str | None = None, compiled: bool = False
+) -> Config | None:
     """Our plan at ``budget`` bytes, applied to a copy of the model; ``None`` when no plan reaches it.
 
     At a peer's peak, when the least peak our memory model predicts lies above the peer's measured one by less
@@ -202,7 +242,7 @@ def ours(case: Case, profile: Any, budget: int, label: str, peer: str | None = N
     def make() -> nn.Module:
         model = copy.deepcopy(case.model)
         apply_plan(model, plan)
-        return model
+        return _Compiled(model) if compiled else model
 
     return Config(label, make, plan=plan, peer=peer)
 
@@ -221,6 +261,8 @@ def main() -> None:  # noqa: C901, PLR0915
     parser.add_argument("--png", default=None, help="draw the frontier into this PNG")
     parser.add_argument("--logdir", default=None, help="add the frontier to TensorBoard under this folder")
     parser.add_argument("--system-malloc", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="compile every configuration; compile's budget as peer")
+    parser.add_argument("--compile-budgets", type=float, nargs="*", default=[0.7, 0.5, 0.3])
     args = parser.parse_args()
     if not args.system_malloc and any(os.environ.get(k) != v for k, v in CACHING_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CACHING_MALLOC})
@@ -228,12 +270,16 @@ def main() -> None:  # noqa: C901, PLR0915
     case = (demo_gpt if args.model == "gpt" else hf_llama)(args)
 
     def plain() -> nn.Module:
-        return copy.deepcopy(case.model)
+        return _Compiled(copy.deepcopy(case.model)) if args.compile else copy.deepcopy(case.model)
 
     # A second plain copy, timed like the others: its overhead is the noise floor of this machine and method.
     configs = [Config("plain", plain), Config("plain B", plain)]
     configs[0].peak = configs[1].peak = measured_peak(case, plain())
-    for name, wrap in PEERS.items():
+    if args.compile:
+        for name, make in compile_peers(case, args.compile_budgets).items():
+            configs.append(Config(name, make))
+            configs[-1].peak = measured_peak(case, make())
+    for name, wrap in {} if args.compile else PEERS.items():
         wrapped = wrap(copy.deepcopy(case.model))
         if wrapped is None:  # the model has no such checkpointing (Hugging Face's, on the demo GPT)
             continue
@@ -251,10 +297,10 @@ def main() -> None:  # noqa: C901, PLR0915
     profile_s = time.perf_counter() - start
     planned: list[Config] = []
     for c in configs[2:]:
-        o = ours(case, profile, c.peak, f"ours @ {c.name}", c.name)
+        o = ours(case, profile, c.peak, f"ours @ {c.name}", c.name, compiled=args.compile)
         planned += [o] if o else []
     for fraction in args.sweep:
-        o = ours(case, profile, int(configs[0].peak * fraction), f"ours @ {fraction:.0%}")
+        o = ours(case, profile, int(configs[0].peak * fraction), f"ours @ {fraction:.0%}", compiled=args.compile)
         planned += [o] if o else []
     for o in planned:
         o.peak = measured_peak(case, o.make())
@@ -265,7 +311,8 @@ def main() -> None:  # noqa: C901, PLR0915
     plain = configs[0]
     print(
         f"{case.name}, batch {args.batch} x {args.seq}, AdamW, CPU ({args.threads} thread(s)), malloc "
-        f"{'defaults' if args.system_malloc else 'keeps freed memory'}; plain step "
+        f"{'defaults' if args.system_malloc else 'keeps freed memory'}"
+        f"{', every configuration compiled (inductor)' if args.compile else ''}; plain step "
         f"{statistics.median(plain.times or [0.0]) * 1e3:.1f} ms, peak {plain.peak / MIB:.1f} MiB; "
         f"profiled in {profile_s:.1f} s; {args.rounds} rounds"
     )
@@ -292,7 +339,7 @@ def main() -> None:  # noqa: C901, PLR0915
         peer = by_name[o.peer]
         ratio = o.overhead / peer.overhead if peer.overhead > 0 else float("inf")
         above = o.peak / peer.peak - 1
-        goal = GOALS.get(o.peer)
+        goal = COMPILE_GOAL if args.compile else GOALS.get(o.peer)
         holds = (goal is None or ratio <= goal) and above <= PEAK_GOAL
         ok &= holds
         band = ratio_band(o, peer, configs[0]) if args.rounds else (math.nan, math.nan)
@@ -302,6 +349,13 @@ def main() -> None:  # noqa: C901, PLR0915
             + f", our peak {above:+.2%} vs theirs (goal <= {PEAK_GOAL:+.0%}): {'holds' if holds else 'DOES NOT HOLD'}"
         )
     print(f"Goals: {'HOLD' if ok else 'DO NOT HOLD'}.")
+    if args.compile:
+        # The compiled plain step is compile's default budget, 1.0.
+        budgets = sorted(args.compile_budgets, reverse=True)
+        peaks = [(1.0, plain.peak)] + [(b, by_name[f"compile budget {b:g}"].peak) for b in budgets]
+        falls = all(later <= earlier for (_, earlier), (_, later) in itertools.pairwise(peaks))
+        listed = ", ".join(f"{b:g}: {p / MIB:.2f} MiB" for b, p in peaks)
+        print(f"compile's peaks by budget ({listed}): {'fall' if falls else 'do NOT fall'} as its budget does")
     if args.png or args.logdir:
         figure = frontier(case.name, configs)
         if args.png:

@@ -36,8 +36,8 @@ __all__ = [
 #: A plan as the MILP's search gives it: its decisions, its tensors' peak, HiGHS's status and gap.
 Found = tuple[dict[str, ModuleDecision], int, str, float]
 #: The lower limits :func:`alternative_plans` solves the MILP at: the budget less these shares of its distance from
-#: the least peak the MILP reaches.
-LOWER_SHARES = (0.05, 0.1, 0.2)
+#: the memory no plan frees (parameters, gradients, optimizer state: ``constant_floor``), which costs no solve.
+LOWER_SHARES = (0.03, 0.1)
 
 
 def whole_costs(
@@ -198,14 +198,14 @@ def alternative_plans(
     above each module's curve by a varying margin, and a policy frees what its ops hold rather than the ratio asked
     for): a plan the MILP ranks above another can recompute more by the plan's own figures. So a plan the MILP finds
     under a lower limit, which fits ``budget`` too, can be the better one, and a higher budget could get a worse
-    plan than a lower. Yielded: with ``solves``, the MILP's plans at the limits of :data:`LOWER_SHARES` (one MILP
-    for the least peak and one search each); then the peer plans of :func:`peer_choices` (with status ``"peer"``),
-    which cost no solve. Which fit is the caller's to check.
+    plan than a lower. Yielded: with ``solves``, the MILP's plans at the limits of :data:`LOWER_SHARES` (a search
+    each; a limit below the least peak finds none); then the peer plans of :func:`peer_choices` (with status
+    ``"peer"``), which cost no solve. Which fit is the caller's to check.
     """
     if solves:
-        least = _minimum_peak(cands, constraints)[0]
+        floor = constant_floor(constraints)
         for share in LOWER_SHARES:
-            if (found := search(int(budget - share * max(0.0, budget - least)))) is not None:
+            if (found := search(int(budget - share * max(0.0, budget - floor)))) is not None:
                 yield found
     for chosen in peer_choices(profile, cands):
         decisions = plan_decisions(profile, cands, chosen, backend, per_op_us, measured, masks)

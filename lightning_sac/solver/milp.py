@@ -72,13 +72,13 @@ def solve_plan(
 
     The MILP prices each module with its trade-off fit, while the plan's figures are its policies' own: the plan of
     the least fitted recompute need not be the plan of the least recompute, and a higher budget could get a plan
-    that recomputes more than a lower budget's. So, on a model of at most :data:`REFINE_CANDIDATES` candidate
-    modules, each solve (each fit, with and without masks) also weighs the MILP's plans at a few lower limits
-    (which fit this budget too), and full activation checkpointing of the model's repeated blocks, each plan by
-    its own figures; the least predicted step is kept (the MILP's on a tie;
-    :func:`~lightning_sac.solver.decisions.alternative_plans`). On a larger model the lower limits' solves would
-    cost more than the planning itself and are skipped (full checkpointing is still weighed: it costs no solve),
-    so there a higher budget can still get a plan its figures rate slower.
+    that recomputes more than a lower budget's. So each solve also weighs full activation checkpointing of the
+    model's repeated blocks, and the refining solves (``refine``, a model of at most :data:`REFINE_CANDIDATES`
+    candidate modules: the finer fit, with and without masks) the MILP's plans at two lower limits (which fit
+    this budget too), each plan by its own figures; the least predicted step is kept (the MILP's on a tie;
+    :func:`~lightning_sac.solver.decisions.alternative_plans`). Without refining (a larger model, where those
+    solves would cost more than the planning itself, or ``refine=False``) a higher budget can still get a plan
+    its figures rate slower.
 
     Args:
         profile: Profile of the training step on the target device.
@@ -121,7 +121,8 @@ def solve_plan(
         # plan without masks can be the faster one.
         tries = [(n, m) for m in dict.fromkeys((masks, False)) for n in fits][1:]
         for n, m in tries:
-            other, _ = _solve(profile, budget_gb, n, *args, m, fragmentation)
+            # The finer fit's plans at lower limits (alternative_plans): it misranks plans less than the coarser.
+            other, _ = _solve(profile, budget_gb, n, *args, m, fragmentation, lower_limits=n > n_segments)
             if other.predicted_step_ms < plan.predicted_step_ms:
                 plan = other
     if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (dryrun/values/moe_routing.py)
@@ -212,8 +213,12 @@ def _solve(
     backend: str,
     masks: bool,
     fragmentation: StepFragmentation,
+    lower_limits: bool = False,
 ) -> tuple[Plan, int]:
-    """One solve of :func:`solve_plan` with ``n_segments`` lines per trade-off fit; the plan and the candidates."""
+    """One solve of :func:`solve_plan` with ``n_segments`` lines per trade-off fit; the plan and the candidates.
+
+    ``lower_limits``: also weigh the MILP's plans at lower limits (full checkpointing is weighed in every solve).
+    """
     start = time.perf_counter()
     check_backend(backend)
     if sharding not in ("replicated", "sharded"):
@@ -305,7 +310,7 @@ def _solve(
             kept = (found, again)
     # A plan the MILP's fits rank lower can recompute less by its own figures (alternative_plans); it keeps the
     # MILP's status, which says how the search ended.
-    solves = len(cands) <= REFINE_CANDIDATES
+    solves = lower_limits and len(cands) <= REFINE_CANDIDATES
     others = (search, room - kept[1], backend, per_op_us, measured, masks, solves)
     for d, p, *_ in alternative_plans(profile, cands, constraints, *others):
         if _added_ms(d) < _added_ms(kept[0][0]) and p + (f := fragmentation(d, device_room - p)) <= room:

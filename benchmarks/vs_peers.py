@@ -145,18 +145,37 @@ def hf_llama(args: argparse.Namespace) -> Case:
     return case
 
 
+class _Budgeted(nn.Module):
+    """``model``, with compile's memory budget as an attribute its forward reads.
+
+    Dynamo reuses a graph compiled for one instance of a module class for every other instance of the same
+    structure (it guards on the structure, not on the partitioner's settings), so copies compiled under different
+    budgets would all run the first one's graph (measured: 0.5 and 0.3 ran 0.7's). Reading ``budget`` in the
+    compiled forward, with floats specialized (``main``), makes Dynamo guard on its value: each budget compiles its
+    own graph, under its own setting.
+    """
+
+    def __init__(self, model: nn.Module, budget: float) -> None:
+        super().__init__()
+        self.budget = budget
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs) if self.budget > 0 else None
+
+
 class _Compiled(nn.Module):
     """``model`` under ``torch.compile``, compiled (at its first call) with compile's memory budget ``budget``.
 
-    The budget is a setting of the partitioner read when the graph is compiled; it is patched around every call
-    so that each configuration's graphs are compiled, and any recompile is, under its own.
+    The budget is a setting of the partitioner read when the graph is compiled; it is patched around every call,
+    so that the graphs of each configuration, and any recompile, are compiled under its own.
     """
 
     def __init__(self, model: nn.Module, budget: float = 1.0) -> None:
         super().__init__()
         self.budget = budget
-        self.inner = model
-        self.compiled = torch.compile(model)
+        self.inner = _Budgeted(model, budget)
+        self.compiled = torch.compile(self.inner)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch._functorch.config as functorch_config
@@ -229,15 +248,17 @@ def ours(
     than :data:`MODEL_SLACK` (the model counts a few KiB the real step frees a moment earlier), the plan is made
     at that least peak, and said: the goal is on measured peaks.
     """
+    # A compiled model's recompute is traced: it draws dropout noise again rather than copy masks back (AutoSAC
+    # plans compiled models without masks too).
     try:
-        plan = solve_plan(profile, budget / GIB)
+        plan = solve_plan(profile, budget / GIB, masks=not compiled)
     except BudgetError as err:
         least = err.minimum_bytes
         if peer is None or least > budget * (1 + MODEL_SLACK):
             print(f"{label}: no plan ({least / MIB:.3f} MiB is the least our model predicts)")
             return None
         print(f"{label}: planned at our model's least peak, {least - budget} bytes above {peer}'s measured one")
-        plan = solve_plan(profile, least / GIB)
+        plan = solve_plan(profile, least / GIB, masks=not compiled)
 
     def make() -> nn.Module:
         model = copy.deepcopy(case.model)
@@ -267,6 +288,11 @@ def main() -> None:  # noqa: C901, PLR0915
     if not args.system_malloc and any(os.environ.get(k) != v for k, v in CACHING_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **CACHING_MALLOC})
     torch.set_num_threads(args.threads)
+    if args.compile:  # every configuration's graphs are compiled apart; none may fall back to eager for their number
+        torch._dynamo.config.recompile_limit = 64
+        # A float attribute that changes is otherwise made dynamic at its first change: one graph for every later
+        # budget (compiled under the second one's setting).
+        torch._dynamo.config.specialize_float = True
     case = (demo_gpt if args.model == "gpt" else hf_llama)(args)
 
     def plain() -> nn.Module:

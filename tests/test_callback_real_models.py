@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from test_callback import trainer
 from torch.utils.data import DataLoader, Dataset
@@ -61,6 +62,7 @@ def fit(module: HFModule, tmp_path: Path, callbacks: list[Any], **trainer_kwargs
     return module
 
 
+@pytest.mark.slow  # about 10 s: the matrix tier
 def test_autosac_fits_a_hugging_face_decoder_as_a_plain_fit_does(tmp_path, caplog, capfd):
     model = gpt2().model
     profile = profile_model(model, lm_batch(128), optimizer_factory=lambda p: torch.optim.AdamW(p), device="cpu")

@@ -125,7 +125,7 @@ def fit(name: str, tmp_path: Path, callbacks: list[Any], precision: str) -> tupl
     [
         # GPT-2's own bf16 cell is in the matrix tier: llama's covers the fit's mixed precision here.
         pytest.param("gpt2", "bf16-mixed", marks=pytest.mark.slow),
-        ("llama", "bf16-mixed"),
+        pytest.param("llama", "bf16-mixed", marks=pytest.mark.slow),  # about 7 s: the matrix tier
         # The same fit as bf16-mixed once Lightning switched (which the assertion below checks): the matrix tier.
         pytest.param("llama", "16-mixed", marks=pytest.mark.slow),
         # bf16 matmuls are slow on CPUs without bf16 units: about 40 s. Without the CPU's operand conversions in

@@ -82,6 +82,7 @@ def test_figures_off_logs_no_images(tmp_path, planned):
     assert acc.Tags()["images"] == [] and scalar(tmp_path, "predicted") > 0
 
 
+@pytest.mark.slow  # about 10 s: the matrix tier (tests/test_tensorboard_events.py reads the same tags quickly)
 def test_fit_logs_plan_and_measured_step_to_the_trainers_tensorboard(tmp_path):
     cb = AutoSAC(budget_gb=tight_budget_gb())
     logger = TensorBoardLogger(tmp_path, name="run")

@@ -61,3 +61,28 @@ def test_the_patch_is_undone() -> None:
     assert torch_optimizer._foreach_supported_types == types
     assert torch_optimizer._get_foreach_kernels_supported_devices is devices
     assert "cpu" not in devices()
+
+
+def test_a_sharded_step_divides_the_foreach_temporaries_by_the_world_size() -> None:
+    # Under FSDP the optimizer steps the shards: the foreach step's temporaries, one per parameter in the unsharded
+    # profile, are 1/world size of it on each rank, as its parameters, gradients and state are (the ceiling).
+    from lightning_sac.solver import device_model
+    from lightning_sac.solver.memory_model import device_bytes
+
+    snapshot = {"parameter": 4000, "gradient": 4000, "optimizer_state": 8000, "temporary": 4001}
+    assert device_bytes(snapshot, 4, "sharded", optimizer_step=True) == 1000 + 1000 + 2000 + 1001
+    assert device_bytes(snapshot, 4, "sharded") == 1000 + 1000 + 2000 + 4001  # forward and backward: as profiled
+    assert device_bytes(snapshot, 4, "replicated", optimizer_step=True) == 4000 + 4000 + 8000 + 4001
+    profile = profile_model(
+        _model(),
+        (torch.randn(8, 256),),
+        loss_fn=lambda out, *_: out.sum(),
+        optimizer_factory=lambda ps: torch.optim.AdamW(ps),
+        device="H100-SXM",
+    )
+    on_device = device_model(profile, 4, "sharded")
+    start = next(i for i, e in enumerate(profile.timeline) if e.kind == "phase" and e.name == "optimizer")
+    peak = profile.timeline[start].peak_after
+    assert peak["temporary"] == sum(_round512(p.numel() * 4) for p in _model().parameters())
+    assert on_device(start, peak) == device_bytes(peak, 4, "sharded", optimizer_step=True)
+    assert on_device(start - 1, peak) == device_bytes(peak, 4, "sharded")  # the end of backward

@@ -205,13 +205,14 @@ def test_an_offloaded_unit_holds_on_the_device_only_what_it_gathers() -> None:
     assert at(fsdp, 10) == 24 + b_opt + 24 == at(plain, 10) - 56 - 112 - 56
 
 
-def test_the_optimizer_steps_offloaded_shards_on_the_host() -> None:
-    # The optimizer's temporaries (here 60 bytes) are made where its shards are: all on the host when every unit
-    # is offloaded, so the device holds nothing of the optimizer step.
-    fsdp = step(offloaded(A), offloaded(B))
-    snapshot = {**EVENTS[10][2], "temporary": 60}
-    assert fsdp.bytes_at(10, snapshot) == 0
-    assert step(A, B).bytes_at(10, snapshot) == SHARDS + OPT_SHARDS + 80 + 60
+def test_the_optimizer_steps_the_shards_where_they_are() -> None:
+    # The optimizer's temporaries (here 212 bytes in the unsharded profile, as a foreach step makes one per
+    # parameter) are made for the shards it steps: 80 of the 212 parameter bytes on this rank, none on the device
+    # when every unit is offloaded to the host.
+    snapshot = {**EVENTS[10][2], "temporary": 212}
+    assert step(A, B).bytes_at(10, snapshot) == SHARDS + OPT_SHARDS + 80 + 80
+    assert step(offloaded(A), offloaded(B)).bytes_at(10, snapshot) == 0
+    assert step(offloaded(A), B).bytes_at(10, snapshot) == 24 + round(OPT * 24 / P) + 24 + 24
 
 
 def test_offload_moves_nothing_on_a_cpu_device(four_ranks: None) -> None:

@@ -41,15 +41,20 @@ __all__ = [
 _SHARDED = ("parameter", "gradient", "optimizer_state")
 
 
-def device_bytes(snapshot: MemorySnapshot, world_size: int, sharding: str, bucket_bytes: int = 0) -> int:
+def device_bytes(
+    snapshot: MemorySnapshot, world_size: int, sharding: str, bucket_bytes: int = 0, optimizer_step: bool = False
+) -> int:
     """Bytes on one device: sharded training keeps 1/world_size of parameters, gradients and optimizer state.
 
     Replicated training adds ``bucket_bytes``: DDP's reducer keeps its gradient buckets (one flat copy of the
-    trainable gradients) from its construction on (:func:`ddp_bucket_bytes`); pass 0 without DDP.
+    trainable gradients) from its construction on (:func:`ddp_bucket_bytes`); pass 0 without DDP. In the
+    optimizer's step (``optimizer_step``) sharded training's temporaries are divided too: it steps the shards (a
+    foreach step's temporaries are as large as all the parameters it steps).
     """
     total = sum(snapshot.values())
     if sharding == "sharded" and world_size > 1:
         shardable = sum(snapshot.get(k, 0) for k in _SHARDED)
+        shardable += snapshot.get("temporary", 0) if optimizer_step else 0
         total -= shardable - -(-shardable // world_size)  # keep the ceiling of the per-device share
     if sharding == "replicated":
         total += bucket_bytes
@@ -77,14 +82,18 @@ def device_model(profile: ModelProfile, world_size: int = 1, sharding: str = "re
     ``moment=True``, which adds what exists only at the event, or its interval's peak). Replicated: the snapshot
     plus DDP's buckets. Sharded with the model's FSDP units known (:attr:`ModelProfile.sharded`): what the
     sharded memory model says (:class:`~lightning_sac.solver.sharded_memory.ShardedStep`); sharded without them:
-    parameters, gradients and optimizer state divided by the world size.
+    parameters, gradients and optimizer state divided by the world size, and the optimizer step's temporaries.
     """
     if sharding == "sharded" and profile.sharded is not None:
         return ShardedStep(profile, profile.sharded).bytes_at
     bucket = ddp_bucket_bytes(profile, world_size)
+    phase, stepping = "", []
+    for e in profile.timeline:
+        phase = e.name if e.kind == "phase" else phase
+        stepping.append(phase == "optimizer")
 
     def on_device(k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
-        return device_bytes(snapshot, world_size, sharding, bucket)
+        return device_bytes(snapshot, world_size, sharding, bucket, 0 <= k < len(stepping) and stepping[k])
 
     return on_device
 

@@ -15,7 +15,7 @@ and optimizer state are replaced by what FSDP keeps on one rank:
   backward, so during backward only the units done so far have theirs); during a unit's backward its unsharded
   gradients (FSDP2: each parameter's from when backward reaches it, as the dry run made them; FSDP1: the unit's
   flat gradient whole), and at its end a second copy of them, the reduce-scatter's input;
-- optimizer state divided as the parameters are.
+- optimizer state divided as the parameters are, and so are the optimizer step's temporaries (it steps the shards).
 
 A unit resharded after forward over fewer ranks than it is sharded over (FSDP2's ``reshard_after_forward=N``)
 keeps 1/N of its gathered parameters from the end of its forward until its backward copies them out again.
@@ -238,11 +238,14 @@ class ShardedStep:
         other = sum(v for c, v in snapshot.items() if c not in ("parameter", "gradient", "optimizer_state"))
         gathered = self._gathered_at[k] if 0 <= k < len(self._gathered_at) else self._gathered_sum(k)
         host = self._host_shards
-        if host and shards:
-            # What the optimizer holds and makes for the offloaded shards is on the host.
+        if host and shards:  # what the optimizer holds and makes for the offloaded shards is on the host
             ratio *= (shards - host) / shards
-            if 0 <= k < len(self._phase) and self._phase[k] == "optimizer":
-                other -= round(snapshot.get("temporary", 0) * host / shards)
+        if 0 <= k < len(self._phase) and self._phase[k] == "optimizer":
+            # The optimizer steps the shards: its temporaries are the shards' (a foreach step's, as large as all
+            # the parameters it steps, are 1/world size of the profile's), and whole for parameters no unit manages.
+            temporary = snapshot.get("temporary", 0)
+            kept = min(1.0, ratio + unmanaged / profiled) if profiled else 1.0
+            other -= temporary - round(temporary * kept)
         optimizer = round(snapshot.get("optimizer_state", 0) * ratio)
         total = other + unmanaged + shards - host + gathered + optimizer + self._gradients(k, snapshot)
         if moment and k in self._starts:  # the gathers of this moment, beside the previous gather's buffer

@@ -54,6 +54,7 @@ CELLS = [
     (4, "fsdp2", "bf16-mixed"),
     (4, "fsdp2-mp", "32-true"),
     (4, "fsdp2-keep", "32-true"),
+    (4, "fsdp2-reshard2", "32-true"),
     (4, "hsdp", "32-true"),
 ]
 
@@ -86,6 +87,8 @@ def shard(model: torch.nn.Module, variant: str, mesh: Any) -> None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if variant == "fsdp2-keep":
         kw["reshard_after_forward"] = False
+    if variant == "fsdp2-reshard2":  # half of each unit's parameters kept from forward to backward
+        kw["reshard_after_forward"] = 2
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

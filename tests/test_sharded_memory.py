@@ -178,6 +178,18 @@ def test_offloaded_units_are_read_from_the_offload_policy(four_ranks: None) -> N
     assert [u.offload for u in layout.units] == [True, False]
 
 
+def test_fsdp1_offload_is_read_from_its_cpu_offload(four_ranks: None) -> None:
+    from torch.distributed.fsdp import CPUOffload
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = two_units()
+    wrapped = FSDP(model, cpu_offload=CPUOffload(offload_params=True), device_id=torch.device("cpu"))
+    layout = sharded_layout(model, wrapper=wrapped)
+    assert layout is not None and layout.kind == "fsdp1"
+    # One flat parameter of 35 + 18 = 53 elements, padded to 56 and sharded over 4 ranks: 14 floats on each.
+    assert [(u.fqn, u.offload, u.shard_bytes) for u in layout.units] == [("", True, 14 * F32)]
+
+
 def offloaded(unit: FSDPUnit) -> FSDPUnit:
     return FSDPUnit(**{**unit.__dict__, "offload": True})
 

@@ -34,7 +34,7 @@ def _optimizer_temporary(device: str, **adamw: object) -> int:
         optimizer_factory=lambda ps: torch.optim.AdamW(ps, **adamw),
         device=device,
     )
-    start = next(i for i, e in enumerate(profile.timeline) if e.kind == "phase" and e.name == "optimizer")
+    start = profile.timeline_phases().index("optimizer")
     return max(e.peak_after["temporary"] for e in profile.timeline[start:] if e.peak_after)
 
 
@@ -81,7 +81,7 @@ def test_a_sharded_step_divides_the_foreach_temporaries_by_the_world_size() -> N
         device="H100-SXM",
     )
     on_device = device_model(profile, 4, "sharded")
-    start = next(i for i, e in enumerate(profile.timeline) if e.kind == "phase" and e.name == "optimizer")
+    start = profile.timeline_phases().index("optimizer")
     peak = profile.timeline[start].peak_after
     assert peak["temporary"] == sum(_round512(p.numel() * 4) for p in _model().parameters())
     assert on_device(start, peak) == device_bytes(peak, 4, "sharded", optimizer_step=True)

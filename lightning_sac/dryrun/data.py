@@ -244,6 +244,14 @@ class ModelProfile:
         """The peak of the step as the model runs without a plan: :attr:`kv_cache_peak` when there is one."""
         return self.peak_bytes if self.kv_cache_peak is None else sum(self.kv_cache_peak.values())
 
+    def timeline_phases(self) -> list[str]:
+        """The phase of the step each :attr:`timeline` event lies in (``""`` before the first phase event)."""
+        phases, phase = [], ""
+        for e in self.timeline:
+            phase = e.name if e.kind == "phase" else phase
+            phases.append(phase)
+        return phases
+
     @property
     def step_ms(self) -> float:
         """Estimated time of the whole training step, ms."""

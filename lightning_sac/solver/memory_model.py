@@ -87,10 +87,7 @@ def device_model(profile: ModelProfile, world_size: int = 1, sharding: str = "re
     if sharding == "sharded" and profile.sharded is not None:
         return ShardedStep(profile, profile.sharded).bytes_at
     bucket = ddp_bucket_bytes(profile, world_size)
-    phase, stepping = "", []
-    for e in profile.timeline:
-        phase = e.name if e.kind == "phase" else phase
-        stepping.append(phase == "optimizer")
+    stepping = [phase == "optimizer" for phase in profile.timeline_phases()]
 
     def on_device(k: int, snapshot: MemorySnapshot, *, moment: bool = False) -> int:
         return device_bytes(snapshot, world_size, sharding, bucket, 0 <= k < len(stepping) and stepping[k])

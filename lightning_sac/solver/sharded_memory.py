@@ -93,12 +93,9 @@ class ShardedStep:
         timeline = self.profile.timeline
         last = len(timeline) - 1
         first: dict[tuple[str, str], int] = {}
-        phase, self._phase = "", []
         for k, e in enumerate(timeline):
             first.setdefault((e.kind, e.name), k)
-            phase = e.name if e.kind == "phase" else phase
-            self._phase.append(phase)
-        self._first = first
+        self._first, self._phase = first, self.profile.timeline_phases()
         fwd_begin = first.get(("phase", "forward"), 0)
         bwd_begin = first.get(("phase", "backward"), last)
         bwd_end = first.get(("phase", "optimizer"), last)

@@ -27,7 +27,7 @@ from lightning_sac.dryrun.measured import (
     peak_from_events,
     unique_bytes,
 )
-from lightning_sac.dryrun.modules.inputs import materialize
+from lightning_sac.dryrun.modules.inputs import TensorSpec, materialize
 from lightning_sac.dryrun.recorded_step import MakeOptimizers, StepSpec
 from lightning_sac.dryrun.run import DryRun, dry_run
 from lightning_sac.dryrun.runtime import make_estimator, real_tensor
@@ -72,6 +72,7 @@ __all__ = [
     "filtered_native_output",
     "StepSpec",
     "TIMELINE_CATEGORIES",
+    "TensorSpec",
     "TimelineEvent",
     "dry_run",
     "event_name",

@@ -11,7 +11,13 @@ from torch import nn
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun.cuda.trace import replay
 from lightning_sac.dryrun.data import ModelProfile
-from lightning_sac.dryrun.recorded_step import StepSpec, host_step_params, optimizer_state, record_step
+from lightning_sac.dryrun.recorded_step import (
+    RecordedStep,
+    StepSpec,
+    host_step_params,
+    optimizer_state,
+    record_step,
+)
 from lightning_sac.dryrun.step import input_signature, loop_signature
 from lightning_sac.dryrun.values.stand_in_check import record_checked
 from lightning_sac.sharding import sharded_layout
@@ -26,10 +32,13 @@ class DryRun:
     Attributes:
         profile: The profile, in bytes and milliseconds.
         input_specs: Per module fqn, the shapes and dtypes of the arguments of its recorded call.
+        with_caches: When the dry run switched KV caches off, the profile of the step with them on (whose peak is
+            :attr:`ModelProfile.kv_cache_peak`); ``None`` otherwise.
     """
 
     profile: ModelProfile
     input_specs: dict[str, Any]
+    with_caches: ModelProfile | None = None
 
 
 def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
@@ -47,10 +56,23 @@ def dry_run(
     Raises:
         ProfilingError: A data-dependent op on a value derived from the weights; names the op, module and line.
     """
-    spec, manual_step = step.device, step.manual
-    accumulate_grad_batches, wrapper = step.accumulate_grad_batches, step.wrapper
     # Run again when scalar reads got stand-ins, to check they decided nothing (dryrun/values/placeholders.py).
     run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
+    profile = _profile(model, example_inputs, step, run, estimate)
+    with_caches = None
+    if run.caches.switched_off:
+        # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
+        # less than without them: fused projections' views keep their buffers, caches' copies free them).
+        cached = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+        with_caches = _profile(model, example_inputs, step, cached, estimate)
+        profile.kv_cache_peak = cached.recorder.memory.peak.peak_snapshot
+    return DryRun(profile, run.recorder.input_specs, with_caches)
+
+
+def _profile(model: nn.Module, example_inputs: Any, step: StepSpec, run: RecordedStep, estimate: str) -> ModelProfile:
+    """The profile of a recorded run."""
+    spec, manual_step = step.device, step.manual
+    accumulate_grad_batches, wrapper = step.accumulate_grad_batches, step.wrapper
     recorder, fmodel, optimizers = run.recorder, run.model, run.optimizers
     manual = manual_step is not None
     modules = recorder.modules()
@@ -95,9 +117,4 @@ def dry_run(
         sharded=sharded_layout(model, wrapper),
         allocations=trace,
     )
-    if run.caches.switched_off:
-        # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
-        # less than without them: fused projections' views keep their buffers, caches' copies free them).
-        with_caches = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
-        profile.kv_cache_peak = with_caches.recorder.memory.peak.peak_snapshot
-    return DryRun(profile, recorder.input_specs)
+    return profile

@@ -17,6 +17,7 @@ from lightning_sac.adapters import profiles_uncompiled
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.dryrun import (
     ComputeLoss,
+    DryRun,
     LossFn,
     MakeOptimizers,
     ManualStep,
@@ -30,6 +31,8 @@ from lightning_sac.dryrun import (
 )
 from lightning_sac.profiling.calibrate import calibrate_modules
 from lightning_sac.profiling.overhead import measure_backend_overheads
+from lightning_sac.profiling.replicate import replicated_dry_run
+from lightning_sac.sharding import is_sharded
 
 __all__ = ["profile_model", "profile_step"]
 
@@ -45,6 +48,7 @@ def profile_model(
     estimate: str = "roofline",
     share: tuple[object, ...] = (),
     replace_existing: bool = False,
+    replicate: bool = True,
 ) -> ModelProfile:
     """Profile one training step of ``model`` on ``device`` without running it for real.
 
@@ -80,6 +84,9 @@ def profile_model(
         share: Objects reachable from ``model`` that must not be copied (e.g. a Lightning trainer).
         replace_existing: The model checkpoints itself with Hugging Face's ``gradient_checkpointing`` flags:
             profile it with them off, for a plan that replaces them (applying it turns them off).
+        replicate: A model with a long list of identical layers (32 or more) is dry-run with 4, 5 and 6 of them
+            and its profile extended from those, when that is exact (:mod:`~lightning_sac.profiling.replicate`);
+            ``False`` dry-runs every layer.
 
     Returns:
         The profile, in bytes and milliseconds.
@@ -100,6 +107,7 @@ def profile_model(
         estimate=estimate,
         share=share,
         replace_existing=replace_existing,
+        replicate=replicate,
     )
 
 
@@ -119,6 +127,7 @@ def profile_step(
     accumulate_grad_batches: int = 1,
     manual_step: ManualStep | None = None,
     wrapper: nn.Module | None = None,
+    replicate: bool = True,
 ) -> ModelProfile:
     """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
 
@@ -148,6 +157,8 @@ def profile_step(
             recorded one begins with the gradients and optimizer state the fit's steps begin with.
         wrapper: An FSDP1 unit wrapping ``model`` itself (Lightning's ``trainer.strategy.model``), if any. A
             sharded model is profiled unsharded, and its units are read into :attr:`ModelProfile.sharded`.
+        replicate: As for :func:`profile_model`. A sharded model, and a step timed on this host
+            (``estimate="benchmark"``), are dry-run whole.
 
     The profile's :attr:`~ModelProfile.input_signature` ends with the loop's settings where they differ from a
     plain step (:func:`~lightning_sac.dryrun.step.loop_signature`): a plan made for it is not reused for another.
@@ -166,7 +177,13 @@ def profile_step(
         manual=manual_step,
         wrapper=wrapper,
     )
-    run = dry_run(model, example_inputs, step, estimate=estimate, replace_existing=replace_existing)
+
+    def whole() -> DryRun:
+        return dry_run(model, example_inputs, step, estimate=estimate, replace_existing=replace_existing)
+
+    # A timed step calibrates each module on this host from its recorded inputs: only a whole dry run has them.
+    replicable = replicate and estimate != "benchmark" and wrapper is None and not is_sharded(model)
+    run = (replicable and replicated_dry_run(model, whole)) or whole()
     profile = run.profile
     # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
     # recompute alone.

@@ -1,0 +1,211 @@
+"""A deep model of identical layers is dry-run with 4, 5 and 6 of them and its profile extended (issue "The largest
+models": 405B-class plans in seconds).
+
+The extension must give the profile the whole dry run gives, every byte, index and name equal (milliseconds to
+1e-9, summed in another order), or not be used: a model whose layers differ, or whose records are not affine in the
+number of layers, is dry-run whole.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import lightning_sac.profiling.profile as profile_module
+from lightning_sac import profile_model
+from lightning_sac.profiling import replicate
+from lightning_sac.profiling.extend import Item, NotExtensible, extend_list
+from lightning_sac.profiling.replicate import _differences, repeated_layers
+
+
+def _records(layers: int, descending: bool = False) -> list[Item]:
+    """A list as a step records it: a head, two records per layer (the first layer has one more), a tail.
+
+    Each number is affine in the layer (``lam``) and in the number of layers, as memory and indices are.
+    """
+    out = [Item("embed", (10 * layers,))]
+    for lam in range(layers - 1, -1, -1) if descending else range(layers):
+        out.append(Item("a", (lam, 100 + 5 * lam + 3 * layers)))
+        if lam == 0:
+            out.append(Item("first-only", (layers,)))
+        out.append(Item("b", (lam, 200 + 7 * lam + layers)))
+    out.append(Item("head", (2 * layers, 9)))
+    return out
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("layers", [5, 6, 9, 80])
+def test_a_list_is_extended_to_the_list_of_more_layers(descending, layers):
+    got = extend_list(_records(4, descending), _records(5, descending), layers - 4, lambda _: descending)
+    assert got == _records(layers, descending)
+
+
+def test_one_more_layer_gives_the_longer_list_back():
+    a, b = _records(4), _records(5)
+    assert extend_list(a, b, 1) == b
+
+
+def test_lists_that_differ_by_more_than_an_insertion_are_not_extended():
+    a, b = _records(4), _records(5)
+    b[0] = Item("another embed", b[0].nums)
+    with pytest.raises(NotExtensible, match="not an insertion"):
+        extend_list(a, b, 3)
+
+
+def _llama(layers: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def test_the_layer_list_is_found_and_a_layer_that_differs_is_seen():
+    model = _llama(8)
+    assert repeated_layers(model, min_layers=8) == ("model.layers", model.model.layers)
+    assert repeated_layers(model) is None  # fewer layers than replication pays for
+    # layer_idx differs in every layer (it is the position); a sliding window set on one layer is a difference.
+    model.model.layers[3].self_attn.sliding_window = 16
+    assert repeated_layers(model, min_layers=8) is None
+    model = _llama(8)
+    model.model.layers[5].mlp.register_forward_hook(lambda *_: None)
+    assert repeated_layers(model, min_layers=8) is None
+
+
+class _Counted:
+    """``dry_run`` that notes how many layers the model had at each call."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers, self.calls = layers, []
+        self.real = profile_module.dry_run
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(len(self.layers))
+        return self.real(*args, **kwargs)
+
+
+def _both(model, batch, monkeypatch, layers, device="H100-SXM"):
+    monkeypatch.setattr(replicate, "MIN_LAYERS", 8)
+    counted = _Counted(layers)
+    monkeypatch.setattr(profile_module, "dry_run", counted)
+    kwargs = dict(optimizer_factory=lambda ps: torch.optim.AdamW(ps), device=device)
+    extended = profile_model(model, batch, **kwargs)
+    runs = list(counted.calls)
+    whole = profile_model(model, batch, replicate=False, **kwargs)
+    return extended, whole, runs
+
+
+@pytest.mark.slow  # 10 s: the mechanism's quick tests below run small models through the same path
+@pytest.mark.parametrize("device", ["H100-SXM", "cpu"])
+def test_a_decoder_profile_made_from_four_five_and_six_layers_is_the_whole_one(monkeypatch, device):
+    model = _llama(9)
+    layers = model.model.layers
+    ids = torch.randint(0, 256, (2, 16))
+    extended, whole, runs = _both(model, {"input_ids": ids, "labels": ids}, monkeypatch, layers, device)
+    assert runs == [4, 5, 6]
+    assert _differences(extended, whole) == []
+    assert len(extended.timeline) == len(whole.timeline) and "model.layers.8.mlp" in extended.modules
+    # The model is given back with all its layers, the same modules.
+    assert list(model.model.layers) == list(layers) and len(layers) == 9
+
+
+class _SquareScratch(torch.autograd.Function):
+    """The identity, whose backward makes a temporary that grows with the square of the layer's position."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, position: int) -> torch.Tensor:  # noqa: ANN001
+        ctx.position = position
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        scratch = torch.ones(64 * (ctx.position + 1) ** 2, dtype=grad.dtype) * 2
+        return grad + scratch.sum() * 0, None
+
+
+class _Squares(nn.Module):
+    """A layer whose backward's temporary is not affine in its position (its forward's ops are the same)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SquareScratch.apply(torch.relu(self.fc(x)), self.layer_idx)
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int, by_count: bool = False) -> None:
+        super().__init__()
+        self.n, self.by_count = n, by_count
+        self.layers = nn.ModuleList(_Squares(i) for i in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = [self.layers[i] for i in range(self.n)] if self.by_count else self.layers
+        for layer in layers:
+            x = layer(x)
+        return x
+
+
+class _Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cat([h, h], -1)[..., :16] if wide else torch.relu(h)
+
+
+class _EveryFourth(nn.Module):
+    """Layers of one class, every fourth told by its caller to run other ops (as a global-attention layer)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Wide() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, wide=i % 4 == 3)
+        return x
+
+
+def test_records_that_are_not_affine_in_the_layer_are_dry_run_whole(monkeypatch, caplog):
+    model = _Stack(9)
+    # On the CPU (no allocation trace, whose records would already differ in size) the timeline's bytes differ.
+    with caplog.at_level(logging.INFO, logger=replicate.__name__):
+        extended, whole, runs = _both(model, (torch.randn(4, 16),), monkeypatch, model.layers, device="cpu")
+    assert runs == [4, 5, 6, 9]
+    assert "the 6-layer profile differs" in caplog.text
+    assert _differences(extended, whole) == []
+
+
+def test_a_model_that_needs_all_its_layers_is_dry_run_whole(monkeypatch, caplog):
+    model = _Stack(9, by_count=True)  # indexes its layers up to a count it keeps: IndexError with fewer
+    with caplog.at_level(logging.INFO, logger=replicate.__name__):
+        extended, whole, runs = _both(model, (torch.randn(4, 16),), monkeypatch, model.layers)
+    assert runs == [4, 9]
+    assert "IndexError" in caplog.text
+    assert _differences(extended, whole) == [] and len(model.layers) == 9
+
+
+def test_layers_called_with_arguments_of_their_own_are_dry_run_whole(monkeypatch, caplog):
+    model = _EveryFourth(9)
+    with caplog.at_level(logging.INFO, logger=replicate.__name__):
+        extended, whole, runs = _both(model, (torch.randn(4, 16),), monkeypatch, model.layers)
+    assert runs == [4, 5, 6, 9]
+    assert "called with different arguments" in caplog.text
+    assert _differences(extended, whole) == []

@@ -50,7 +50,7 @@ from torch.profiler import ProfilerActivity
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_sac.dryrun.measured import QuietProfile, memory_events, peak_from_events
+from lightning_sac.dryrun.measured import QuietProfile, peak_from_events, window_memory_events
 
 __all__ = ["MetricMemory", "metric_memory"]
 
@@ -189,8 +189,8 @@ def _measure(metric: nn.Module, method: str, flat: list[Any], spec: Any) -> Metr
         after = _storages(probe)
         inputs = {x.untyped_storage().data_ptr(): i for i, x in enumerate(real) if isinstance(x, torch.Tensor)}
         kept_args = tuple(sorted({inputs[a] for a in after.keys() - before.keys() if a in inputs}))
-        # What the states grew by, from their storages: torch.profiler records no free of a block allocated before
-        # it started (a sum state's old tensor, replaced), so its net would count the new one as kept.
+        # What the states grew by, from their storages: the profiler's window counts no free of a block allocated
+        # before it started (a sum state's old tensor, replaced), so its net would count the new one as kept.
         grown = sum(n for a, n in after.items() if a not in inputs) - sum(before.values())
     return MetricMemory(peak, max(0, grown), kept_args)
 
@@ -203,7 +203,10 @@ def _peak(call: Callable[[], Any]) -> int:
         return storages.peak
     with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
-    return peak_from_events(memory_events(prof, "cpu"), 0).peak_bytes
+    # Only the frees of blocks the call allocated, as _NewStorages counts: c10 also reports the free of an older
+    # block whose address a block allocated under an earlier profiler once had (its size stays in c10's table),
+    # QuietProfile's own 4-byte primer among them, and counting it lowered the peak by that stale size.
+    return peak_from_events(window_memory_events(prof, "cpu"), 0).peak_bytes
 
 
 class _NewStorages(TorchDispatchMode):

@@ -13,7 +13,8 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+from zoo import _llama_config
 
 import lightning_sac.profiling.profile as profile_module
 from lightning_sac import profile_model
@@ -56,32 +57,29 @@ def test_lists_that_differ_by_more_than_an_insertion_are_not_extended():
         extend_list(a, b, 3)
 
 
-def _llama(layers: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
+def _llama(layers: int) -> nn.Module:
+    """The zoo's tiny Llama (KV caches on by default, as a pretrained config has them) with ``layers`` layers."""
+    config = _llama_config()
+    config.num_hidden_layers = layers
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).train()
 
 
 def test_the_layer_list_is_found_and_a_layer_that_differs_is_seen():
     model = _llama(8)
-    assert repeated_layers(model, min_layers=8) == ("model.layers", model.model.layers)
+    assert repeated_layers(model, min_layers=8) == ("model.layers", model.get_submodule("model.layers"))
     assert repeated_layers(model) is None  # fewer layers than replication pays for
     # layer_idx differs in every layer (it is the position); a sliding window set on one layer is a difference.
-    model.model.layers[3].self_attn.sliding_window = 16
+    model.get_submodule("model.layers.3.self_attn").sliding_window = 16
     assert repeated_layers(model, min_layers=8) is None
     model = _llama(8)
-    model.model.layers[5].mlp.register_forward_hook(lambda *_: None)
+    model.get_submodule("model.layers.5.mlp").register_forward_hook(lambda *_: None)
     assert repeated_layers(model, min_layers=8) is None
+    # PEFT keeps each adapted layer's own name in an attribute: the same name but for the layer's position.
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(_llama(8), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert repeated_layers(peft, min_layers=8) == ("base_model.model.model.layers", peft.base_model.model.model.layers)
 
 
 class _Counted:
@@ -107,18 +105,20 @@ def _both(model, batch, monkeypatch, layers, device="H100-SXM"):
     return extended, whole, runs
 
 
-@pytest.mark.slow  # 10 s: the mechanism's quick tests below run small models through the same path
+@pytest.mark.slow  # 10 s each: the mechanism's quick tests below run small models through the same path
 @pytest.mark.parametrize("device", ["H100-SXM", "cpu"])
 def test_a_decoder_profile_made_from_four_five_and_six_layers_is_the_whole_one(monkeypatch, device):
     model = _llama(9)
-    layers = model.model.layers
-    ids = torch.randint(0, 256, (2, 16))
+    layers = model.get_submodule("model.layers")
+    ids = torch.randint(3, 128, (2, 16))
     extended, whole, runs = _both(model, {"input_ids": ids, "labels": ids}, monkeypatch, layers, device)
     assert runs == [4, 5, 6]
     assert _differences(extended, whole) == []
-    assert len(extended.timeline) == len(whole.timeline) and "model.layers.8.mlp" in extended.modules
+    assert len(extended.timeline) == len(whole.timeline)
+    assert any(f.endswith("layers.8.mlp") for f in extended.modules)
+    assert extended.kv_cache_off and extended.kv_cache_peak == whole.kv_cache_peak  # the step with caches on too
     # The model is given back with all its layers, the same modules.
-    assert list(model.model.layers) == list(layers) and len(layers) == 9
+    assert len(layers) == 9 and [type(x) for x in layers] == [type(layers[0])] * 9
 
 
 class _SquareScratch(torch.autograd.Function):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sac.cli.args import CliParser, UsageError, call_factory, check_plan_args, load_factory, notice
 from lightning_sac.cli.hf_config import add_hf_arguments, check_hf_args, hf_made
-from lightning_sac.cli.sharding import add_sharding_arguments, declare_units
+from lightning_sac.cli.sharding import add_sharding_arguments, check_units, declare_units
 from lightning_sac.cli.step import TrainingStep, add_step_arguments, training_step
 from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
 from lightning_sac.errors import BudgetError, LightningSACError
@@ -155,6 +155,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     hf = check_hf_args(args)
     made, about = hf_made(hf) if hf is not None else (call_factory(args.factory), None)
     check_candidates(args.candidates, made.model)
+    check_units(args, made.model)  # before the dry run, which a wrong pattern would only make the user wait for
     for note in notes:  # after every check, so that a wrong input gets its one line alone
         notice(note)
     step = training_step(made, args.optimizer, args.loss)

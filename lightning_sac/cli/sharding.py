@@ -17,7 +17,7 @@ from lightning_sac.cli.args import UsageError, notice
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.sharding import declared_layout, declared_units
 
-__all__ = ["add_sharding_arguments", "declare_units"]
+__all__ = ["add_sharding_arguments", "check_units", "declare_units"]
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +46,26 @@ def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
         "name, such as 'model.layers.*', or class names such as LlamaDecoderLayer): the plan counts each unit's "
         "gathered parameters as FSDP2 holds them; needs --fsdp N",
     )
+
+
+def check_units(args: Any, model: nn.Module) -> None:
+    """Before the dry run: ``--fsdp-units`` needs sharding, and each pattern must name a module of ``model``.
+
+    Raises:
+        UsageError: ``--fsdp-units`` without sharding, or a pattern naming no module.
+    """
+    patterns = getattr(args, "fsdp_units", None)
+    if patterns is None:
+        return
+    if args.sharding != "sharded":
+        raise UsageError(
+            f"--fsdp-units {' '.join(patterns)} names FSDP units, but the plan is not sharded: add --fsdp N "
+            "(FSDP over N devices)"
+        )
+    try:
+        declared_units(model, patterns)
+    except ValueError as err:
+        raise UsageError(f"--fsdp-units: {err}") from err
 
 
 def declare_units(args: Any, model: nn.Module, profile: ModelProfile) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from lightning_sac.dryrun import ModuleOpStats
 from lightning_sac.profiling.extend import Item
 
-__all__ = ["op_items", "op_stats_of", "SETS"]
+__all__ = ["SETS", "op_items", "op_numbers", "op_stats_of"]
 
 #: The fields of ModuleOpStats that are sets of op indices, read as one flag per op.
 SETS = (
@@ -61,13 +61,15 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
     return items
 
 
-def op_stats_of(items: list[Item], like: ModuleOpStats, recompute_stop: int | None) -> ModuleOpStats:
-    """The op list of ``items`` (from :func:`op_items`); the module-wide facts are ``like``'s."""
-    out = ModuleOpStats(
-        force_store_random=like.force_store_random,
-        output_saved_inside=like.output_saved_inside,
-        recompute_stop=recompute_stop,
-    )
+def op_numbers(sig: Any) -> int:
+    """How many numbers the record of an op with this ``sig`` has (see :func:`op_items`)."""
+    _, _, has_mask, has_parent, n_inputs, n_makers = sig
+    return 3 + n_inputs + int(has_parent) + n_makers + 2 * int(has_mask)
+
+
+def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int | None) -> ModuleOpStats:
+    """The op list of ``items`` (from :func:`op_items`); ``flags``: ``force_store_random, output_saved_inside``."""
+    out = ModuleOpStats(force_store_random=flags[0], output_saved_inside=flags[1], recompute_stop=recompute_stop)
     for i, item in enumerate(items):
         sig: tuple[Any, ...] = item.sig  # type: ignore[assignment]
         name, flags, has_mask, has_parent, n_inputs, n_makers = sig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from lightning_sac.dryrun import (
@@ -20,12 +20,14 @@ from lightning_sac.dryrun import (
     PHASES,
     AllocationTrace,
     ModelProfile,
+    ModuleOpStats,
     ModuleProfile,
     TimelineEvent,
     replay,
 )
 from lightning_sac.profiling.extend import Item, NotExtensible, affine, extend_list
 from lightning_sac.profiling.op_items import op_items, op_stats_of
+from lightning_sac.profiling.op_items import op_numbers as _op_numbers
 from lightning_sac.profiling.timeline_peaks import module_peaks, step_peak
 
 __all__ = ["extend_profile", "unsupported"]
@@ -82,8 +84,11 @@ class _Reader:
         module_ops = {} if self.trace is None else self.trace.module_ops
         for fqn, m in self.p.modules.items():
             template, layer = self.names.split(fqn)
-            inline = None if fqn in self.long_ops or m.op_stats is None else json.dumps(asdict(m.op_stats))
-            stop = m.op_stats.recompute_stop if m.op_stats is not None else None
+            stats = m.op_stats
+            # A layer's own op list is the same length in every layer: its ops are numbers of its record.
+            ops = [] if fqn in self.long_ops or stats is None else op_items(stats)
+            inline = None if stats is None or fqn in self.long_ops else (tuple(o.sig for o in ops), _flags(stats))
+            stop = stats.recompute_stop if stats is not None else None
             sig = (
                 template,
                 m.module_type,
@@ -106,7 +111,8 @@ class _Reader:
                 m.calls,
                 *(x for pair in m.freed_inputs + m.freed_outputs for x in pair),
                 *([module_ops[fqn]] if fqn in module_ops else []),
-                *([stop] if fqn in self.long_ops and stop is not None else []),
+                *([stop] if stats is not None and stop is not None else []),
+                *(x for o in ops for x in o.nums),
             )
             out.append(Item(sig, nums))
         return out
@@ -264,7 +270,7 @@ def _ops(p: ModelProfile, fqn: str) -> int:
     return -1 if stats is None else len(stats.func_names)
 
 
-def _stats(p: ModelProfile, fqn: str):  # noqa: ANN202 - ModuleOpStats
+def _stats(p: ModelProfile, fqn: str) -> ModuleOpStats:
     stats = p.modules[fqn].op_stats
     assert stats is not None
     return stats
@@ -304,12 +310,18 @@ def _modules(
             trace.module_ops[fqn] = int(nums[k])
             k += 1
         stats = None
+        stop = None if no_stop or (not long_ops and inline is None) else int(nums[k])
+        k += stop is not None
         if long_ops:
-            like = a.modules[template].op_stats
-            assert like is not None
-            stats = op_stats_of(op_lists[template], like, None if no_stop else int(nums[k]))
+            stats = op_stats_of(op_lists[template], _flags(_stats(a, template)), stop)
         elif inline is not None:
-            stats = _stats_from_json(inline)
+            op_sigs, flags = inline
+            ops = []
+            for op_sig in op_sigs:
+                n = _op_numbers(op_sig)
+                ops.append(Item(op_sig, tuple(nums[k : k + n])))
+                k += n
+            stats = op_stats_of(ops, flags, stop)
         out[fqn] = ModuleProfile(
             fqn=fqn,
             module_type=module_type,
@@ -331,7 +343,5 @@ def _modules(
     return out
 
 
-def _stats_from_json(text: str):  # noqa: ANN202 - ModuleOpStats
-    from lightning_sac.dryrun import ModuleOpStats
-
-    return ModuleOpStats.from_dict(json.loads(text))
+def _flags(stats: ModuleOpStats) -> tuple[bool, bool]:
+    return stats.force_store_random, stats.output_saved_inside

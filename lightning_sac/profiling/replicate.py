@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
@@ -47,9 +48,14 @@ def _plain(module: nn.Module) -> dict[tuple[str, str], object]:
     }
 
 
-def _signature(module: nn.Module, plain: dict[tuple[str, str], object]) -> tuple[Any, ...]:
-    """What makes two layers run the same ops: classes, hooks, tensors' shapes, and the plain attributes."""
-    parts: list[Any] = [tuple(sorted((k, repr(v)) for k, v in plain.items()))]
+def _signature(module: nn.Module, plain: dict[tuple[str, str], object], position: int) -> tuple[Any, ...]:
+    """What makes two layers run the same ops: classes, hooks, tensors' shapes, and the plain attributes.
+
+    A name with the layer's position in it (PEFT keeps ``target_name="model.layers.3.self_attn.q_proj"``) reads
+    the same in every layer.
+    """
+    own = re.compile(rf"(?<=\.){position}(?=\.)")
+    parts: list[Any] = [tuple(sorted((k, own.sub("#", repr(v))) for k, v in plain.items()))]
     for name, m in module.named_modules():
         hooks = len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
         parts.append((name, type(m).__qualname__, hooks))
@@ -66,10 +72,10 @@ def _identical(layers: nn.ModuleList) -> bool:
     """
     plains = [_plain(layer) for layer in layers]
     position = {k for k in plains[0] if all(type(p.get(k)) is int and p.get(k) == i for i, p in enumerate(plains))}
-    first = _signature(layers[0], {k: v for k, v in plains[0].items() if k not in position})
+    first = _signature(layers[0], {k: v for k, v in plains[0].items() if k not in position}, 0)
     return all(
-        _signature(layer, {k: v for k, v in p.items() if k not in position}) == first
-        for layer, p in zip(layers, plains, strict=True)
+        _signature(layer, {k: v for k, v in p.items() if k not in position}, i) == first
+        for i, (layer, p) in enumerate(zip(layers, plains, strict=True))
     )
 
 

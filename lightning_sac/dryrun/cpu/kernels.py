@@ -59,11 +59,13 @@ def _key(named: dict[str, Any], weights: tuple[str, ...]) -> Any:
 
 def _peak_beyond(run: Any) -> tuple[Any, int]:
     """Run ``run()`` under torch.profiler: its result, and the peak of its allocations beyond what it returns."""
-    from lightning_sac.dryrun.measured import peak_from_events  # the measurement imports the profiler's package
+    # The measurement imports the profiler's package.
+    from lightning_sac.dryrun.measured import peak_from_events, window_memory_events
 
     with QuietProfile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = run()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    # Frees of blocks older than the window (QuietProfile's primer among them) would lower the peak.
+    events = window_memory_events(prof)
     kept = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
     return out, max(0, peak_from_events(events, 0).peak_bytes - kept)
 

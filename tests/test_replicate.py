@@ -69,6 +69,12 @@ def test_the_layer_list_is_found_and_a_layer_that_differs_is_seen():
     model = _llama(8)
     assert repeated_layers(model, min_layers=8) == ("model.layers", model.get_submodule("model.layers"))
     assert repeated_layers(model) is None  # fewer layers than replication pays for
+    # Every layer keeps the config, whose text has the transformers version ("5.24.0"): not a layer's position.
+    config = _llama_config()
+    config.num_hidden_layers = 40
+    with torch.device("meta"):
+        deep = LlamaForCausalLM(config)
+    assert repeated_layers(deep) == ("model.layers", deep.get_submodule("model.layers"))
     # layer_idx differs in every layer (it is the position); a sliding window set on one layer is a difference.
     model.get_submodule("model.layers.3.self_attn").sliding_window = 16
     assert repeated_layers(model, min_layers=8) is None

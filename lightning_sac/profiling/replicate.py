@@ -54,7 +54,7 @@ def _signature(module: nn.Module, plain: dict[tuple[str, str], object], position
     A name with the layer's position in it (PEFT keeps ``target_name="model.layers.3.self_attn.q_proj"``) reads
     the same in every layer.
     """
-    own = re.compile(rf"(?<=\.){position}(?=\.)")
+    own = re.compile(rf"(?<=[A-Za-z_]\.){position}(?=\.)")  # in a name, not a version ("5.24.0")
     parts: list[Any] = [tuple(sorted((k, own.sub("#", repr(v))) for k, v in plain.items()))]
     for name, m in module.named_modules():
         hooks = len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)

@@ -61,6 +61,32 @@ def _match(a: Sequence[Item], b: Sequence[Item]) -> list[int]:
     return match
 
 
+def _merge(b: Sequence[Item], match: list[int]) -> None:
+    """Join inserted blocks that the alignment cut in two around records it matched in between.
+
+    Where the first layer runs fewer records than the others (its backward, when its input needs no gradient), the
+    alignment can match the first layer's last records with a later layer's and leave the new layer's records in
+    two pieces around them. Those matched records move past one piece when the records they pass are the same.
+    """
+    sig = [x.sig for x in b]
+    changed = True
+    while changed:
+        changed = False
+        blocks = _blocks(match)
+        for (p1, d1), (p2, d2) in zip(blocks, blocks[1:], strict=False):
+            start, gap = p1 + d1, p2 - (p1 + d1)
+            right = all(sig[start + i] == sig[start + d2 + i] for i in range(gap))
+            left = not right and all(sig[p1 + i] == sig[start + i] for i in range(gap))
+            if not (right or left):
+                continue
+            aligned = match[start:p2]
+            match[p1 : p2 + d2] = [-1] * (d1 + gap + d2)
+            at = start + d2 if right else p1  # the matched records, after or before the joined block
+            match[at : at + gap] = aligned
+            changed = True
+            break
+
+
 def _blocks(match: list[int]) -> list[tuple[int, int]]:
     out, j = [], 0
     while j < len(match):
@@ -142,6 +168,7 @@ def extend_list(
     if extra < 1:
         raise ValueError(f"extend_list: expected extra >= 1 layers, got {extra}")
     match = _match(a, b)
+    _merge(b, match)
     starts: dict[int, int] = {}
     for p, d in _blocks(match):
         starts.update(_place(b, match, p, d))

@@ -83,11 +83,7 @@ def declare_units(args: Any, model: nn.Module, profile: ModelProfile) -> None:
                 "(e.g. --fsdp-units 'model.layers.*') for what each device really holds"
             )
         return
-    if args.sharding != "sharded":
-        raise UsageError(
-            f"--fsdp-units {' '.join(patterns)} names FSDP units, but the plan is not sharded: add --fsdp N "
-            "(FSDP over N devices)"
-        )
+    check_units(args, model)
     try:
         units = declared_units(model, patterns)
         profile.sharded = declared_layout(model, patterns, args.world_size)

@@ -153,10 +153,12 @@ class _Blocks(nn.Module):
         return self.head(x)
 
 
-def test_a_residual_stack_made_from_four_five_and_six_blocks_is_the_whole_one(monkeypatch):
+def test_a_residual_stack_made_from_four_five_and_six_blocks_is_the_whole_one(monkeypatch, caplog):
     model = _Blocks(9)
-    extended, whole, runs = _both(model, (torch.randint(0, 32, (4, 8)),), monkeypatch, model.blocks, device="cpu")
+    with caplog.at_level(logging.INFO, logger=replicate.__name__):
+        extended, whole, runs = _both(model, (torch.randint(0, 32, (4, 8)),), monkeypatch, model.blocks, device="cpu")
     assert runs == [4, 5, 6]
+    assert "the profile of 9 layers of blocks is extended from dry runs of (4, 5, 6) of them" in caplog.text
     assert _differences(extended, whole) == []
     assert extended.peak_bytes == whole.peak_bytes and "blocks.8.fc1" in extended.modules
 

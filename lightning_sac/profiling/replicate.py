@@ -152,6 +152,7 @@ def replicated_dry_run(model: nn.Module, run: Callable[[], DryRun]) -> DryRun | 
     except NotExtensible as e:
         log.info("dry-running all %d layers of %s: %s", n, fqn or "the model", e)
         return None
+    log.info("the profile of %d layers of %s is extended from dry runs of %s of them", n, fqn, RUN_LAYERS)
     return DryRun(profile, {})
 
 

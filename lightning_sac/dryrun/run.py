@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +34,13 @@ class DryRun:
     Attributes:
         profile: The profile, in bytes and milliseconds.
         input_specs: Per module fqn, the shapes and dtypes of the arguments of its recorded call.
-        with_caches: When the dry run switched KV caches off, the profile of the step with them on (whose peak is
-            :attr:`ModelProfile.kv_cache_peak`); ``None`` otherwise.
+        with_caches: When the dry run switched KV caches off, what builds the profile of the step with them on
+            (whose peak is :attr:`ModelProfile.kv_cache_peak`), made only when asked for; ``None`` otherwise.
     """
 
     profile: ModelProfile
     input_specs: dict[str, Any]
-    with_caches: ModelProfile | None = None
+    with_caches: Callable[[], ModelProfile] | None = None
 
 
 def _unique_storage_bytes(tensors: list[torch.Tensor], spec: DeviceSpec) -> int:
@@ -64,7 +66,7 @@ def dry_run(
         # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
         # less than without them: fused projections' views keep their buffers, caches' copies free them).
         cached = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
-        with_caches = _profile(model, example_inputs, step, cached, estimate)
+        with_caches = functools.partial(_profile, model, example_inputs, step, cached, estimate)
         profile.kv_cache_peak = cached.recorder.memory.peak.peak_snapshot
     return DryRun(profile, run.recorder.input_specs, with_caches)
 

@@ -145,10 +145,15 @@ def replicated_dry_run(model: nn.Module, run: Callable[[], DryRun]) -> DryRun | 
             log.info("dry-running all %d layers of %s: its layers are called with different arguments", n, fqn)
             return None
     try:
-        differences = _differences(_extended(runs[0], runs[1], fqn, RUN_LAYERS[2] - k), runs[2].profile)
+        if (runs[0].with_caches is None) != (runs[1].with_caches is None):
+            raise NotExtensible("one short run switched KV caches off, the other not")
+        # The steps with caches on (made once: the recorded runs are read into profiles only when needed).
+        wa, wb = runs[0].with_caches, runs[1].with_caches
+        cached = None if wa is None or wb is None else (wa(), wb())
+        differences = _differences(_extended(runs[0], runs[1], cached, fqn, RUN_LAYERS[2] - k), runs[2].profile)
         if differences:
             raise NotExtensible(f"made from {k} and {k + 1} layers, the {k + 2}-layer profile differs: {differences}")
-        profile = _extended(runs[0], runs[1], fqn, n - k)
+        profile = _extended(runs[0], runs[1], cached, fqn, n - k)
     except NotExtensible as e:
         log.info("dry-running all %d layers of %s: %s", n, fqn or "the model", e)
         return None
@@ -164,14 +169,14 @@ def _arguments(spec: Any) -> Any:
     return tree_map(lambda x: (x.shape, x.dtype) if isinstance(x, TensorSpec) else x, spec)
 
 
-def _extended(a: DryRun, b: DryRun, blocks: str, extra: int) -> ModelProfile:
+def _extended(
+    a: DryRun, b: DryRun, cached: tuple[ModelProfile, ModelProfile] | None, blocks: str, extra: int
+) -> ModelProfile:
     """The profile of ``extra`` more layers than ``a``'s, and the peak with the model's KV caches on."""
     profile = extend_profile(a.profile, b.profile, blocks, extra)
-    if a.with_caches is not None and b.with_caches is not None:
+    if cached is not None:
         # The step with caches on is another step: its peak is read from its own extended timeline.
-        profile.kv_cache_peak = extend_profile(a.with_caches, b.with_caches, blocks, extra).peak_breakdown
-    elif a.with_caches is not None or b.with_caches is not None:
-        raise NotExtensible("one short run switched KV caches off, the other not")
+        profile.kv_cache_peak = extend_profile(*cached, blocks, extra).peak_breakdown
     return profile
 
 

@@ -267,6 +267,7 @@ def test_through_the_entry_point_in_a_temporary_folder(entry_point_runs, case):
         _check_typed_budget(folder, (process.returncode, out, err))
 
 
+@pytest.mark.slow  # two dry runs of the demo GPT; the plan command's output is checked quick by the tests above
 def test_plan_command_numbers_equal_solve_plan(tmp_path, capsys, monkeypatch):
     path = tmp_path / "plan.json"
     argv = ["plan", FACTORY, "--budget-gb", "7.5", "--device", "H100-SXM", "--world-size", "8", "--sharding", "sharded"]

@@ -2,8 +2,8 @@
 
 A family name (``H100``, ``A100``) lists the model's entries with their memory and exits 2 before the factory
 runs; it never proposes another GPU by spelling (the CLI once answered ``--device H100`` with V100). Runs go through
-``python -m lightning_sac`` in a fresh process (the quick tier) and once through the installed ``lightning-sac``
-entry point (the slow tier, like tests/test_cli.py's entry-point runs).
+the command line's ``main`` (the quick tier) and once through the installed ``lightning-sac`` entry point in a fresh
+process (the slow tier, like tests/test_cli.py's entry-point runs).
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from lightning_sac.cli.args import UsageError, check_plan_args
-from lightning_sac.cli.main import plan_command_parser
+from lightning_sac.cli.main import main, plan_command_parser
 from lightning_sac.devices import DEVICE_SPECS, UnknownDeviceError, device_mismatch_message, get_device_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,23 +72,14 @@ def _check_family(run: Run, folder: Path, family: list[str]) -> str:
     return line
 
 
-@pytest.fixture(scope="module")
-def module_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Run]]:
-    """``python -m lightning_sac plan ... --device FAMILY`` for each family, in parallel (each start imports torch)."""
-    root = tmp_path_factory.mktemp("cli_devices")
-
-    def run(name: str) -> tuple[Path, Run]:
-        folder = root / name
-        return folder, _run([sys.executable, "-m", "lightning_sac", *_plan(name)], folder)
-
-    with ThreadPoolExecutor(max_workers=len(FAMILIES)) as pool:
-        return dict(zip(FAMILIES, pool.map(run, FAMILIES), strict=True))
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_a_family_lists_its_entries_and_exits_2(module_runs, name):
-    folder, run = module_runs[name]
-    _check_family(run, folder, FAMILIES[name])
+def test_a_family_lists_its_entries_and_exits_2(tmp_path, monkeypatch, capsys, name):
+    (tmp_path / "tiny_devices.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(_plan(name))
+    out, err = capsys.readouterr()
+    _check_family((code, out, err), tmp_path, FAMILIES[name])
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

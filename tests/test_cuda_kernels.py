@@ -9,9 +9,21 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+from zoo import resnet
 
 from lightning_sac import get_device_spec, profile_model
-from lightning_sac.dryrun.cuda.sdpa import CUDNN, EFFICIENT, FLASH, MATH, attention_workspace_bytes, choose_backend
+from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
+from lightning_sac.dryrun.cuda.sdpa import (
+    CUDNN,
+    EFFICIENT,
+    FLASH,
+    MATH,
+    attention_workspace_bytes,
+    choose_backend,
+    cuda_sdpa,
+)
 
 aten = torch.ops.aten
 
@@ -200,3 +212,80 @@ def test_adamw_step_counters_stay_on_the_host_for_a_gpu_target(fused: bool) -> N
     root = profile.modules[""]
     steps = 4 * 512 if fused else 0  # a fused group keeps each parameter's step on the device, one 512-byte block
     assert root.optimizer_state_bytes == 2 * root.parameter_bytes + steps
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in SAC_IGNORED_OPS:  # the ops a plan counts, as torch.utils.checkpoint does
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_emulated_boolean_mask_runs_atens_own_conversion(dtype: torch.dtype) -> None:
+    # GPU-found: the emulation converted a boolean mask with zeros_like and masked_fill, ATen (torch >= 2.6) with
+    # two scalar_tensor calls and a where; the plan's wrapper met another op on the GPU and fell back. ATen's
+    # convert_boolean_attn_mask is shared by every device, so a real CPU call shows the ops a GPU runs before the
+    # kernel, on the torch installed.
+    q = torch.randn(2, 4, 32, 64, dtype=dtype)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    with _Ops() as real:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    kernel = next(i for i, n in enumerate(real.names) if "scaled_dot_product" in n)
+    with FakeTensorMode() as fake, _Ops() as emulated:
+        fq, fmask = fake.from_tensor(q), fake.from_tensor(mask)
+        cuda_sdpa(get_device_spec("H100-SXM"), fq, fq, fq, attn_mask=fmask)
+    assert real.names[:kernel] == ["aten.scalar_tensor.default", "aten.scalar_tensor.default", "aten.where.self"]
+    assert emulated.names[:kernel] == real.names[:kernel]
+
+
+BN_CASES = [
+    # (input shape, input dtype, weight dtype, affine, eps, training, expected op)
+    ((8, 4, 6, 6), torch.float32, torch.float32, True, 1e-5, True, "aten.cudnn_batch_norm.default"),
+    ((8, 4, 6, 6), torch.float32, torch.float32, True, 1e-5, False, "aten.cudnn_batch_norm.default"),
+    ((8, 4, 6), torch.float16, torch.float32, True, 1e-5, True, "aten.cudnn_batch_norm.default"),  # fp16, fp32 w
+    ((8, 4, 6, 6), torch.bfloat16, torch.float32, True, 1e-5, True, "aten.native_batch_norm.default"),  # no bf16
+    ((8, 4), torch.float32, torch.float32, True, 1e-5, True, "aten.native_batch_norm.default"),  # 2-D input
+    ((8, 4, 6, 6), torch.float32, torch.float32, False, 1e-5, True, "aten.native_batch_norm.default"),  # no affine
+    ((8, 4, 6, 6), torch.float32, torch.float32, True, 1e-6, True, "aten.native_batch_norm.default"),  # eps < 1e-5
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "wdtype", "affine", "eps", "training", "expected"), BN_CASES)
+def test_an_emulated_batch_norm_takes_the_kernel_cuda_takes(shape, dtype, wdtype, affine, eps, training, expected):
+    # GPU-found: an H100 runs float32 BatchNorm as cudnn_batch_norm; a plan made on a CPU listed native_batch_norm
+    # and fell back at run time. The emulation follows CUDA's _batch_norm_impl_index (Normalization.cpp).
+    c = shape[1]
+    with FakeTensorMode():
+        x = torch.empty(shape, dtype=dtype)
+        w, b = (torch.ones(c, dtype=wdtype), torch.zeros(c, dtype=wdtype)) if affine else (None, None)
+        mean, var = torch.zeros(c, dtype=wdtype), torch.ones(c, dtype=wdtype)
+        with CudnnBatchNormEmulation(), _Ops() as ops:
+            torch.nn.functional.batch_norm(x, mean, var, w, b, training=training, eps=eps)
+    kernels = [n for n in ops.names if "batch_norm" in n]
+    assert kernels == [expected]
+    if expected == "aten.native_batch_norm.default":  # the composite's own order: an empty reserve first
+        assert ops.names == ["aten.empty.memory_format", expected]
+    else:
+        assert ops.names == [expected]
+
+
+def test_a_resnet_planned_for_an_nvidia_gpu_lists_cudnn_batch_norm_as_stateful() -> None:
+    family = resnet()
+    stats = {}
+    for device in ("H100-SXM", "MI300X"):
+        profile = profile_model(family.model, family.batch, loss_fn=family.loss_fn, device=device)
+        stats[device] = profile.modules["layer1.0"].op_stats
+    h100, mi300 = stats["H100-SXM"], stats["MI300X"]
+    assert [h100.func_names[i] for i in h100.stateful_ops] == ["aten.cudnn_batch_norm.default"] * 2
+    assert [mi300.func_names[i] for i in mi300.stateful_ops] == [
+        "aten.native_batch_norm.default"
+    ] * 2  # MIOpen's: not emulated
+    # The emulation leaves the CPU's kernel in place after the dry run.
+    with _Ops() as ops:
+        torch.nn.BatchNorm2d(3)(torch.randn(2, 3, 4, 4))
+    assert "aten.native_batch_norm.default" in ops.names

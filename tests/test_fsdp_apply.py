@@ -21,9 +21,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 @functools.cache
 def _group(units: str) -> dict[tuple[str, str], list[CellResult]]:
     # Decoder layers are the only candidates; they are the units, or each contains two (attention and MLP). FSDP2
-    # and FSDP1 share one set of 2 processes.
+    # and FSDP1 share one set of 2 processes. The layers' group also fits each planned cell a third time with
+    # AutoSAC's own measurement (test_autosacs_own_measurement_under_fsdp_agrees_with_an_outside_one).
     out = Path(tempfile.mkdtemp(prefix=f"fsdp_apply_{units}_"))
-    return run_cells(("fsdp2", "fsdp1"), 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units)
+    own = units == "layers"
+    return run_cells(
+        ("fsdp2", "fsdp1"), 2, ("32-true",), out, candidates=[LlamaDecoderLayer], units=units, own_measure=own
+    )
 
 
 @pytest.mark.slow  # 2 processes, about 25 s per units
@@ -41,13 +45,12 @@ def test_plan_holds_for_a_planned_module_that(strategy: str, units: str) -> None
         assert max(r.planned_peaks) <= r.budget_bytes * 1.02, (r.rank, max(r.planned_peaks), r.budget_bytes)
 
 
-@pytest.mark.slow  # 2 processes, three fits of each strategy: about 40 s
+@pytest.mark.slow  # the third fit of each strategy in the layers' group: about 10 s more
 def test_autosacs_own_measurement_under_fsdp_agrees_with_an_outside_one() -> None:
     # AutoSAC's measure=True inside a sharded fit (on global rank 0, as it plans) against torch.profiler's batch
     # peaks (fit_harness.BatchPeaks) of the same planned fit run again: the second step, within 1.5% (the issue's
     # bound).
-    out = Path(tempfile.mkdtemp(prefix="fsdp_own_measure_"))
-    cells = run_cells(("fsdp2", "fsdp1"), 2, ("32-true",), out, own_measure=True)
+    cells = _group("layers")
     for strategy in ("fsdp2", "fsdp1"):
         zero, one = cells[strategy, "32-true"]
         assert one.own_measured is None  # rank 1 measures nothing

@@ -34,6 +34,20 @@ def test_batch_norm_writes_its_running_statistics_though_its_schema_does_not_say
     assert mutated_tensors(aten.addmm.default, (torch.zeros(3), torch.zeros(2, 2), torch.zeros(2, 3)), {}) == []
 
 
+@pytest.mark.parametrize("op", ["cudnn_batch_norm", "miopen_batch_norm"])
+def test_a_gpus_batch_norm_writes_its_running_statistics_too(op):
+    # GPU-found: CUDA runs float32 BatchNorm as cudnn_batch_norm, whose schema declares no write and whose
+    # decomposition calls native_batch_norm, which declares none either. The probe saw no write, a plan recomputed
+    # it, and the running statistics were updated twice (an H100, a ResNet's bit-equality check: only the buffers
+    # differed). The probe now follows the decomposition's own undeclared writes.
+    x, mean, var = torch.randn(4, 3, 8, 8), torch.zeros(3), torch.ones(3)
+    func = getattr(aten, op).default
+    assert not func._schema.is_mutable
+    written = mutated_tensors(func, (x, torch.ones(3), torch.zeros(3), mean, var, True, 0.1, 1e-5), {})
+    assert len(written) == 2 and written[0] is mean and written[1] is var
+    assert mutated_tensors(func, (x, torch.ones(3), torch.zeros(3), mean, var, False, 0.1, 1e-5), {}) == []
+
+
 def test_stateful_ops_are_saved_by_every_policy():
     torch.manual_seed(0)
     profile = profile_model(ConvNet(width=8), (torch.randn(4, 3, 16, 16),), device="cpu")

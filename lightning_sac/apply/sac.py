@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.apply.planned import CallState, PlannedForward, bound
@@ -96,6 +96,40 @@ class _Beneath:
         self.stack.close()
 
 
+class _ForwardDecisions:
+    """The policy of one checkpointed call: the plan decides each forward op, and recompute hears those answers again.
+
+    From torch 2.12 SAC's recompute reads its cache and asks nothing. Before it, recompute asks the policy again for
+    every op (``SelectiveCheckpointContext.is_recompute``) and serves a saved op from a per-op list in order, so a
+    different answer there would hand one op's saved value to another (an in-place ``relu_`` the forward recomputed,
+    answered "save" in recompute, takes the value of a later ``relu_`` that was saved): the answers are replayed by
+    position, and a recompute that runs another op than the forward did at that position is refused.
+    """
+
+    def __init__(self, planned: PlannedForward, state: CallState) -> None:
+        self.planned = planned
+        self.state = state
+        self.answers: list[tuple[Any, CheckpointPolicy]] = []
+        self.replayed = 0
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if not getattr(ctx, "is_recompute", False):
+            # Before torch 2.12 the policy runs before the op, with no output to see (sac_sees_outputs).
+            answer = self.planned.decide(self.state, func, args, kwargs, getattr(ctx, "op_output", None))
+            self.answers.append((func, answer))
+            return answer
+        i, self.replayed = self.replayed, self.replayed + 1
+        if i >= len(self.answers) or self.answers[i][0] != func:
+            ran = self.answers[i][0] if i < len(self.answers) else "the end of the forward"
+            raise LightningSACError(
+                f"The recompute of {self.planned.fqn or 'the model'!r} ran {func} as its op {i}, where the forward "
+                f"ran {ran}: the module's forward takes another code path when run again, so its saved values "
+                "cannot be matched to the recomputed ops. Leave this module out of the plan (solve_plan's "
+                "constraints) or make its forward deterministic in its code path."
+            )
+        return self.answers[i][1]
+
+
 class SelectiveCheckpointForward(PlannedForward):
     """A module's forward run under a non-reentrant checkpoint that saves exactly the ops the plan saves.
 
@@ -155,14 +189,11 @@ class SelectiveCheckpointForward(PlannedForward):
 
     def _selective(self, state: CallState, /, *args: Any, **kwargs: Any) -> Any:
         def contexts() -> tuple[Any, Any]:
-            # A fresh call state for the forward; recompute reads SAC's cache and does not ask the policy.
-            # An in-place op shares its parent's decision, so a saved parent's cache entry is mutated by its
-            # saved in-place ops (dropout's bernoulli_ on empty_like's output); on recompute both return the
-            # cached, final value and nothing is applied twice.
+            # A fresh call state for the forward. An in-place op shares its parent's decision, so a saved parent's
+            # cache entry is mutated by its saved in-place ops (dropout's bernoulli_ on empty_like's output); on
+            # recompute both return the cached, final value and nothing is applied twice.
             forward, recompute = create_selective_checkpoint_contexts(
-                # Before torch 2.12 the policy runs before the op, with no output to see (sac_sees_outputs).
-                lambda ctx, func, *a, **k: self.decide(state, func, a, k, getattr(ctx, "op_output", None)),
-                allow_cache_entry_mutation=True,
+                _ForwardDecisions(self, state), allow_cache_entry_mutation=True
             )
             if not self.skipped and not self.masked:
                 return forward, recompute

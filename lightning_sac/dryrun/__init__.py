@@ -15,6 +15,7 @@ from lightning_sac.dryrun.data import (
     ModuleOpStats,
     ModuleProfile,
     TimelineEvent,
+    peak_location,
 )
 from lightning_sac.dryrun.measured import (
     TIMELINE_CATEGORIES,
@@ -52,6 +53,7 @@ __all__ = [
     "AllocationTrace",
     "Replayed",
     "needed_reserved",
+    "peak_location",
     "replay",
     "fingerprint_of",
     "profile_fingerprint",

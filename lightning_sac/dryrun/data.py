@@ -25,6 +25,7 @@ __all__ = [
     "ModuleProfile",
     "TimelineEvent",
     "empty_snapshot",
+    "peak_location",
 ]
 
 #: Memory categories, in the order reports stack them. Example inputs count as "other".
@@ -55,6 +56,23 @@ MemorySnapshot = dict[str, int]
 def empty_snapshot() -> MemorySnapshot:
     """Return a snapshot with every category at zero bytes."""
     return dict.fromkeys(CATEGORIES, 0)
+
+
+def peak_location(phase: str, forward_stack: list[str], backward_open: list[str]) -> str:
+    """Where the step is, as :attr:`ModelProfile.peak_location` names it: ``"phase:innermost running module"``.
+
+    Args:
+        phase: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+        forward_stack: The modules whose forward is running, outermost first.
+        backward_open: The modules whose backward has begun and not ended, in the order they began.
+    """
+    inner = (
+        forward_stack[-1]
+        if phase == "forward" and forward_stack
+        else (backward_open[-1] if phase == "backward" and backward_open else "")
+    )
+    # Nothing open in forward or backward means the loss (or code outside every module) is running.
+    return f"{phase}:{inner}" if inner or phase == "optimizer" else f"{phase}:<outside modules>"
 
 
 @dataclass(kw_only=True)

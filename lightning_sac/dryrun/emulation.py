@@ -24,6 +24,7 @@ from lightning_sac.dryrun.cpu.kernels import rnn_layer_memory
 from lightning_sac.dryrun.cpu.promotion import promotion_bytes
 from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
+from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
 from lightning_sac.dryrun.cuda.sdpa import cuda_sdpa
 from lightning_sac.sharding import is_sharded, unsharded_memo
 
@@ -112,11 +113,12 @@ class CudaAttentionEmulation(KernelOverride):
 
 
 class CudaEmulation(contextlib.ExitStack):
-    """A CUDA target on fake CPU tensors: CUDA's attention and dropout kernels, and CUDA's autocast policy.
+    """A CUDA target on fake CPU tensors: CUDA's attention, dropout and BatchNorm kernels, CUDA's autocast policy.
 
     ``torch.autocast("cuda")`` regions in the model become CPU autocast regions under CUDA's policy
     (:class:`~lightning_sac.dryrun.cuda.autocast.CudaAutocastRegions`). See :class:`CudaAttentionEmulation` and
-    :class:`~lightning_sac.dryrun.cuda.autocast.CudaAutocastPolicy`.
+    :class:`~lightning_sac.dryrun.cuda.autocast.CudaAutocastPolicy`; for an NVIDIA target
+    :class:`~lightning_sac.dryrun.cuda.batch_norm.CudnnBatchNormEmulation`.
     """
 
     def __init__(self, spec: DeviceSpec) -> None:
@@ -129,6 +131,8 @@ class CudaEmulation(contextlib.ExitStack):
             self.enter_context(CudaAutocastPolicy())
             self.enter_context(CudaAutocastRegions())
             self.enter_context(CudaAttentionEmulation(self.spec))
+            if self.spec.compute_capability is not None:  # NVIDIA: cuDNN's BatchNorm (AMD's MIOpen: not emulated)
+                self.enter_context(CudnnBatchNormEmulation())
         except BaseException:
             self.close()  # give the CPU's kernels back: a failed enter gets no exit
             raise

@@ -25,7 +25,7 @@ from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun.autograd.input_buffer import InputBuffers
 from lightning_sac.dryrun.cuda.alloc_config import alloc_conf
 from lightning_sac.dryrun.cuda.trace import TraceRecorder
-from lightning_sac.dryrun.data import TimelineEvent
+from lightning_sac.dryrun.data import TimelineEvent, peak_location
 from lightning_sac.dryrun.memory import LiveMemory, PeakWatch
 from lightning_sac.dryrun.modules.hooks import ModuleHooks
 from lightning_sac.dryrun.op_graph import OpGraph, OpRecord
@@ -211,13 +211,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         return x
 
     def _location(self) -> str:
-        inner = (
-            self._stack[-1]
-            if self.phase == "forward" and self._stack
-            else (self._bwd_open[-1] if self.phase == "backward" and self._bwd_open else "")
-        )
-        # Nothing open in forward or backward means the loss (or code outside every module) is running.
-        return f"{self.phase}:{inner}" if inner or self.phase == "optimizer" else f"{self.phase}:<outside modules>"
+        return peak_location(self.phase, self._stack, self._bwd_open)
 
     # ----------------------------------------------------------------- the ops
     def __torch_dispatch__(

@@ -104,7 +104,12 @@ _KNOWN_UNDECLARED: dict[Any, tuple[tuple[int, ...], int]] = {aten.miopen_batch_n
 
 
 class _Writes(TorchDispatchMode):
-    """Records the storages that declared in-place ops write to."""
+    """Records the storages that the ops of a decomposition write to, declared or not.
+
+    Undeclared writes count too: ``cudnn_batch_norm`` (CUDA's BatchNorm in float32) decomposes into
+    ``native_batch_norm``, whose schema declares no write either; only its own decomposition shows the running
+    statistics written.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,8 +117,7 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.OpOverload) and func._schema.is_mutable:
-            self.storages.update(id(t.untyped_storage()) for t in mutated_tensors(func, args, kwargs))
+        self.storages.update(id(t.untyped_storage()) for t in mutated_tensors(func, args, kwargs))
         return func(*args, **kwargs)
 
 

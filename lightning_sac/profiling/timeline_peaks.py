@@ -8,7 +8,7 @@ the first highest total until the next event), where the step was then (phase, i
 
 from __future__ import annotations
 
-from lightning_sac.dryrun import ModelProfile, TimelineEvent
+from lightning_sac.dryrun import ModelProfile, TimelineEvent, peak_location
 
 __all__ = ["first_peak", "module_peaks", "step_peak"]
 
@@ -41,13 +41,7 @@ def step_peak(profile: ModelProfile) -> tuple[dict[str, int], str]:
             open_backward.append(e.name)
         elif e.kind == "bwd_post" and e.name in open_backward:
             open_backward.remove(e.name)
-    inner = (
-        stack[-1]
-        if phase == "forward" and stack
-        else (open_backward[-1] if phase == "backward" and open_backward else "")
-    )
-    location = f"{phase}:{inner}" if inner or phase == "optimizer" else f"{phase}:<outside modules>"
-    return dict(timeline[at].peak_after), location
+    return dict(timeline[at].peak_after), peak_location(phase, stack, open_backward)
 
 
 def module_peaks(profile: ModelProfile, fqn: str) -> dict[str, dict[str, int]]:

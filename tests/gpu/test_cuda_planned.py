@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lightning_sac import Plan, apply_plan, solve_plan
+from lightning_sac.errors import BudgetError
 from lightning_sac.plan.reserve import device_reserve
 
 from .harness import (
@@ -28,8 +29,9 @@ from .harness import (
     state_after_steps,
 )
 
-# The tensors' share of the plain peak the budget leaves. The ResNet's lowest reachable peak is 68% of its plain one
-# (profiled for an H100, fp32 and bf16), too close to 70% for a measured peak a few percent off the predicted one.
+# The tensors' share of the plain peak the budget leaves, where a plan reaches it (plan_for). The ResNet's lowest
+# reachable peak in bf16 is 68% of its plain one (profiled for an H100), too close to 70% for a measured peak a few
+# percent off the predicted one.
 FRACTION = {"gpt": 0.70, "gpt2": 0.70, "llama": 0.70, "resnet": 0.80}
 # The accept pattern of a planned fit (issue 13): every step's peak at most 2% over the budget. The solver plans with
 # its own KiB margin; 2% leaves room for what test_cuda_memory's tolerance allows the profile to miss.
@@ -45,6 +47,7 @@ CASES = [
     ("gpt2", "fp32", "emulated"),
     ("llama", "bf16", "cuda"),
     ("resnet", "fp32", "cuda"),
+    ("resnet", "fp32", "emulated"),  # cuDNN's BatchNorm emulated on the CPU: not yet measured on a GPU
     ("resnet", "bf16", "emulated"),
 ]
 IDS = ["-".join(c) for c in CASES]
@@ -60,7 +63,16 @@ def plan_for(name: str, precision: str, path: str) -> tuple[Plan, int]:
         profile = profile_for(name, precision, path)
         tensors = int(FRACTION[name] * measured_plain(name, precision).step_peak_bytes)
         budget = tensors + device_reserve(profile).total
-        _PLANS[key] = solve_plan(profile, budget / GIB, backend="sac"), tensors
+        try:
+            plan = solve_plan(profile, budget / GIB, backend="sac")
+        except BudgetError as floor:
+            # No plan reaches the fraction: the ResNet in fp32 profiled on an H100, whose first convolution's
+            # backward holds cuDNN's 560 MiB workspace when little else is alive, cannot go below 89% of its plain
+            # peak. Tested halfway between the lowest reachable peak and the unconstrained one instead.
+            budget = (floor.minimum_bytes + floor.unconstrained_bytes) // 2
+            tensors = budget - device_reserve(profile).total
+            plan = solve_plan(profile, budget / GIB, backend="sac")
+        _PLANS[key] = plan, tensors
     return _PLANS[key]
 
 

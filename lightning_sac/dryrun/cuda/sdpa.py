@@ -179,10 +179,12 @@ def choose_backend(
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    # convert_boolean_attn_mask: True takes part; the kernels take an additive bias.
+    # convert_boolean_attn_mask: True takes part; the kernels take an additive bias. The same ops as ATen's
+    # (torch >= 2.6: ``at::where(mask, 0.0, at::scalar_tensor(-inf))``, two scalar_tensor calls and a where), so that
+    # a plan made from this profile meets the GPU's op sequence; the value of cuDNN's variant differs, not its ops.
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros_like(mask, dtype=dtype).masked_fill(~mask, float("-inf"))
+    return torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=dtype, device=mask.device))
 
 
 def _efficient_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

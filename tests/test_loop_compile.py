@@ -12,9 +12,11 @@ the slow accept test.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -85,9 +87,15 @@ def fit(tmp_path: Path, way: str, callbacks: list[Any], backend: str, config: GP
     return module, peaks
 
 
+@functools.cache
+def _plain_fit(way: str, backend: str) -> tuple[Any, Any]:
+    # The plain compiled fit of a way, shared by the tests that plan it (each plans in its own fit).
+    return fit(Path(tempfile.mkdtemp(prefix=f"compile_plain_{way}_")), way, [], backend)
+
+
 def planned_fit(tmp_path: Path, way: str, backend: str, sac_backend: str = "sac") -> dict[str, Any]:
     """The plain compiled fit, then the AutoSAC fit at 80% of its peak; what both measured."""
-    plain, plain_peaks = fit(tmp_path, way, [], backend)
+    plain, plain_peaks = _plain_fit(way, backend)
     budget_bytes = int(0.8 * max(plain_peaks.peaks))
     sac = AutoSAC(budget_gb=budget_bytes / GIB, measure=False, log_figures=False, backend=sac_backend)
     wrappers = Wrappers()

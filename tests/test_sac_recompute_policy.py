@@ -32,46 +32,37 @@ from lightning_sac.plan.decisions import ModuleDecision, Plan
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
-class _Caching(TorchDispatchMode):
-    """torch 2.11's forward mode: ask the policy before the op, keep the output of a saved op in its op's list."""
+class _OldProtocol(TorchDispatchMode):
+    """torch 2.11's SAC modes: both ask the policy about every op; ``recompute`` tells which of the two this is.
 
-    def __init__(self, policy: Any, storage: dict[Any, list[Any]]) -> None:
+    The forward mode keeps the output of an op answered "save" in its op's list; the recompute mode hands an op
+    answered "save" its list's first value, first in first out.
+    """
+
+    def __init__(self, policy: Any, storage: dict[Any, list[Any]], recompute: bool) -> None:
         super().__init__()
-        self.policy, self.storage = policy, storage
+        self.policy, self.storage, self.recompute = policy, storage, recompute
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func in SAC_IGNORED_OPS:
             return func(*args, **kwargs)
-        answer = self.policy(SelectiveCheckpointContext(is_recompute=False), func, *args, **kwargs)
-        out = func(*args, **kwargs)
-        if answer in _SAVE:
-            self.storage[func].append(tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out))
-        return out
-
-
-class _Cached(TorchDispatchMode):
-    """torch 2.11's recompute mode: ask the policy again; an op answered "save" takes its list's first value."""
-
-    def __init__(self, policy: Any, storage: dict[Any, list[Any]]) -> None:
-        super().__init__()
-        self.policy, self.storage = policy, storage
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        saved = self.policy(SelectiveCheckpointContext(is_recompute=self.recompute), func, *args, **kwargs) in _SAVE
+        if not self.recompute:
+            out = func(*args, **kwargs)
+            if saved:
+                self.storage[func].append(tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out))
+            return out
+        if not saved:
             return func(*args, **kwargs)
-        answer = self.policy(SelectiveCheckpointContext(is_recompute=True), func, *args, **kwargs)
-        if answer in _SAVE:
-            if not self.storage.get(func):
-                raise RuntimeError("Trying to backward an extra time. You are only allowed to backward once ...")
-            return self.storage[func].pop(0)
-        return func(*args, **kwargs)
+        if not self.storage.get(func):
+            raise RuntimeError("Trying to backward an extra time. You are only allowed to backward once ...")
+        return self.storage[func].pop(0)
 
 
 def _contexts_before_2_12(policy: Any, allow_cache_entry_mutation: bool = False) -> tuple[Any, Any]:
     storage: dict[Any, list[Any]] = defaultdict(list)
-    return _Caching(policy, storage), _Cached(policy, storage)
+    return _OldProtocol(policy, storage, recompute=False), _OldProtocol(policy, storage, recompute=True)
 
 
 def _state(model: torch.nn.Module, batch: tuple[Any, ...], loss_fn: Any) -> dict[str, Any]:

@@ -130,10 +130,10 @@ def check_traced(run: dict[str, Any]) -> None:
         assert trace.saved == sum(wrapper.save) and trace.recomputed > 0
 
 
-# Two ways in the quick tier (a compiled inner model, a compiled LightningModule); the other two in the matrix.
-@pytest.mark.parametrize(
-    "way", [w if w in ("init", "lightning_module") else pytest.param(w, marks=pytest.mark.slow) for w in WAYS]
-)
+# One way in the quick tier (a compiled inner model); the other three in the matrix. What the compiled
+# LightningModule's way adds, Lightning's compiled methods put back after the dry run, is checked without a fit in
+# test_uncompiled_puts_lightnings_compiled_methods_back.
+@pytest.mark.parametrize("way", [w if w == "init" else pytest.param(w, marks=pytest.mark.slow) for w in WAYS])
 def test_each_way_of_compiling_trains_with_the_plan_in_the_graph(tmp_path, way):
     run = planned_fit(tmp_path, way, "aot_eager")
     prefix = "model._orig_mod." if way in ("init", "configure_model") else "model."

@@ -36,7 +36,11 @@ def uses_cudnn(
     eps: float,
     cudnn_enabled: bool,
 ) -> bool:
-    """Whether CUDA's ``_batch_norm_impl_index`` runs this call on cuDNN (the conditions of torch >= 2.6)."""
+    """Whether CUDA's ``_batch_norm_impl_index`` runs this call on cuDNN.
+
+    The conditions of torch's current source: inputs of 3 or more dimensions only; releases that also ran 2-D
+    inputs (``BatchNorm1d`` on ``(N, C)``) on cuDNN's per-activation mode differ for those.
+    """
     if weight is None or bias is None or not cudnn_enabled or eps < CUDNN_BN_MIN_EPSILON:
         return False
     if torch.bfloat16 in (input.dtype, weight.dtype):

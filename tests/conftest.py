@@ -24,10 +24,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac import ModelProfile, ModuleOpStats, profile_model
 from lightning_sac.demos import GPT, MLP, ConvNet, GPTConfig
 from lightning_sac.dryrun.cpu.scratch_store import CACHE_DIR_ENV
+from lightning_sac.ops.aten import is_sac_ignored, op_name
 from lightning_sac.solver.tradeoff import module_tradeoff
 
 
@@ -150,3 +152,20 @@ def recompute_all_policy(stats: ModuleOpStats) -> list[int]:
     """Every op recomputed but those a policy must save (stateful ops, in-place writes to outside storage...)."""
     forced = {i for unit in module_tradeoff(stats).stored for i in unit.ops}
     return [int(i in forced) for i in range(len(stats.func_names))]
+
+
+class SacOps(TorchDispatchMode):
+    """Records the names of the ops SAC asks its policy about (SAC-ignored ones left out, as in a profile).
+
+    Args:
+        names: The list to append to (a fresh one when not given), read from :attr:`names`.
+    """
+
+    def __init__(self, names: list[str] | None = None) -> None:
+        super().__init__()
+        self.names = [] if names is None else names
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not is_sac_ignored(func):
+            self.names.append(op_name(func))
+        return func(*args, **(kwargs or {}))

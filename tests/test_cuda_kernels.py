@@ -6,11 +6,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import SacOps
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import SAC_IGNORED_OPS
 from zoo import resnet
 
 from lightning_sac import get_device_spec, profile_model
@@ -214,17 +213,6 @@ def test_adamw_step_counters_stay_on_the_host_for_a_gpu_target(fused: bool) -> N
     assert root.optimizer_state_bytes == 2 * root.parameter_bytes + steps
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func not in SAC_IGNORED_OPS:  # the ops a plan counts, as torch.utils.checkpoint does
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_emulated_boolean_mask_runs_atens_own_conversion(dtype: torch.dtype) -> None:
     # GPU-found: the emulation converted a boolean mask with zeros_like and masked_fill, ATen (torch >= 2.6) with
@@ -233,10 +221,10 @@ def test_an_emulated_boolean_mask_runs_atens_own_conversion(dtype: torch.dtype) 
     # kernel, on the torch installed.
     q = torch.randn(2, 4, 32, 64, dtype=dtype)
     mask = torch.ones(32, 32, dtype=torch.bool).tril()
-    with _Ops() as real:
+    with SacOps() as real:
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     kernel = next(i for i, n in enumerate(real.names) if "scaled_dot_product" in n)
-    with FakeTensorMode() as fake, _Ops() as emulated:
+    with FakeTensorMode() as fake, SacOps() as emulated:
         fq, fmask = fake.from_tensor(q), fake.from_tensor(mask)
         cuda_sdpa(get_device_spec("H100-SXM"), fq, fq, fq, attn_mask=fmask)
     assert real.names[:kernel] == ["aten.scalar_tensor.default", "aten.scalar_tensor.default", "aten.where.self"]
@@ -264,7 +252,7 @@ def test_an_emulated_batch_norm_takes_the_kernel_cuda_takes(shape, dtype, wdtype
         x = torch.empty(shape, dtype=dtype)
         w, b = (torch.ones(c, dtype=wdtype), torch.zeros(c, dtype=wdtype)) if affine else (None, None)
         mean, var = torch.zeros(c, dtype=wdtype), torch.ones(c, dtype=wdtype)
-        with CudnnBatchNormEmulation(), _Ops() as ops:
+        with CudnnBatchNormEmulation(), SacOps() as ops:
             torch.nn.functional.batch_norm(x, mean, var, w, b, training=training, eps=eps)
     kernels = [n for n in ops.names if "batch_norm" in n]
     assert kernels == [expected]
@@ -282,10 +270,9 @@ def test_a_resnet_planned_for_an_nvidia_gpu_lists_cudnn_batch_norm_as_stateful()
         stats[device] = profile.modules["layer1.0"].op_stats
     h100, mi300 = stats["H100-SXM"], stats["MI300X"]
     assert [h100.func_names[i] for i in h100.stateful_ops] == ["aten.cudnn_batch_norm.default"] * 2
-    assert [mi300.func_names[i] for i in mi300.stateful_ops] == [
-        "aten.native_batch_norm.default"
-    ] * 2  # MIOpen's: not emulated
+    # An AMD target keeps the native kernel: MIOpen's choice is not emulated.
+    assert [mi300.func_names[i] for i in mi300.stateful_ops] == ["aten.native_batch_norm.default"] * 2
     # The emulation leaves the CPU's kernel in place after the dry run.
-    with _Ops() as ops:
+    with SacOps() as ops:
         torch.nn.BatchNorm2d(3)(torch.randn(2, 3, 4, 4))
     assert "aten.native_batch_norm.default" in ops.names

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CASES, Case, adamw, recompute_all_policy
+from conftest import CASES, Case, SacOps, adamw, recompute_all_policy
 from test_op_stats import _stats
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sac import BudgetError, ModelProfile, ModuleDecision, Plan, profile_model, solve_plan
 from lightning_sac.apply import apply_plan
@@ -118,19 +117,6 @@ def _plan(kind: str, profile: ModelProfile) -> Plan:
     return Plan(decisions=decisions, budget_bytes=0)
 
 
-class _Ops(TorchDispatchMode):
-    """Counts the ops SAC asks its policy about (SAC-ignored ones left out, as in the profile)."""
-
-    def __init__(self, names: list[str]) -> None:
-        super().__init__()
-        self.names = names
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not is_sac_ignored(func):
-            self.names.append(op_name(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _step(model: nn.Module, case: Case) -> None:
     torch.manual_seed(1)
     (case.loss_fn or default_loss)(model(*case.inputs)).backward()
@@ -150,7 +136,7 @@ def test_sac_recompute_stops_where_the_profile_says(name, kind):
             _calls[0] += 1
             if _calls[0] == 1:  # the forward; the second call is the recompute in backward
                 return _inner(*args, **kw)
-            with _Ops(rerun.setdefault(_fqn, [])):
+            with SacOps(rerun.setdefault(_fqn, [])):
                 return _inner(*args, **kw)
 
         wrapper.inner = counted
@@ -238,6 +224,7 @@ def test_plans_count_the_backend_overhead_and_wrap_fewer_ops_when_it_is_dear():
     assert dear.predicted_step_ms == pytest.approx(
         profile.step_ms + dear.predicted_recompute_ms + dear.predicted_overhead_ms
     )
+
     # Every op wrapped under a selective policy now costs 4 ms: the solver runs no more ops under one than
     # without that cost, within budget.
     def selective_ops(plan):  # noqa: ANN001, ANN202

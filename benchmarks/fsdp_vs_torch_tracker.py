@@ -3,7 +3,9 @@
 The strategy matrix's model (a Hugging Face Llama, 3 layers, hidden 64, batch 4 x 128, AdamW), sharded with
 ``fully_shard`` per decoder layer and then the root, for each FSDP2 cell of the matrix: world sizes 1, 2 and 4,
 "32-true" and bf16 autocast (Lightning's "bf16-mixed"), FSDP2's ``MixedPrecisionPolicy`` (bf16 parameters, fp32
-reduction), ``reshard_after_forward=False``, and HSDP over a 2 x 2 mesh. Everything runs in this one process as rank
+reduction), ``reshard_after_forward=False``, HSDP over a 2 x 2 mesh, and tensor parallelism 2 x FSDP2 2 (each
+layer's linears column- and row-parallel over the mesh's ``tp`` dim, as torchtitan's plan without sequence
+parallelism, then ``fully_shard`` over ``dp``). Everything runs in this one process as rank
 0 of torch's ``fake`` process group of that world size: its collectives move no data but allocate as real ones do,
 so rank 0's memory is a real rank's (the matrix's multi-process fits measure the same figures to the byte).
 
@@ -56,6 +58,7 @@ CELLS = [
     (4, "fsdp2-keep", "32-true"),
     (4, "fsdp2-reshard2", "32-true"),
     (4, "hsdp", "32-true"),
+    (4, "tp2-fsdp2", "32-true"),
 ]
 
 
@@ -73,15 +76,26 @@ def batch() -> dict[str, torch.Tensor]:
 
 
 def make_mesh(variant: str, world: int) -> Any:
-    """The cell's device mesh: HSDP's 2 x (world / 2) replicate x shard, else one dimension of ``world`` ranks."""
+    """The cell's device mesh: HSDP's 2 x (world / 2) replicate x shard, TP's (world / 2) x 2 data x tensor
+    parallel, else one dimension of ``world`` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if variant == "hsdp":
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if variant == "tp2-fsdp2":
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     return init_device_mesh("cpu", (world,))
 
 
 def shard(model: torch.nn.Module, variant: str, mesh: Any) -> None:
+    if variant == "tp2-fsdp2":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # Hugging Face's own plan for Llama
+        plan = {k.removeprefix("layers.*."): styles[v]() for k, v in model.config.base_model_tp_plan.items()}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        mesh = mesh["dp"]
     kw: dict[str, Any] = {"mesh": mesh}
     if variant == "fsdp2-mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -137,7 +151,8 @@ def ours(variant: str, precision: str, world: int) -> int:
         autocast_dtype=torch.bfloat16 if precision == "bf16-mixed" else None,
         lightning_order=True,  # gradients set to None just before backward, as step() does
     )
-    plan = solve_plan(profile, 1000.0, world_size=world, sharding="sharded")
+    shards = world // 2 if variant == "tp2-fsdp2" else world  # FSDP's ranks (the data-parallel ones under TP)
+    plan = solve_plan(profile, 1000.0, world_size=shards, sharding="sharded")
     return plan.unconstrained_peak_bytes
 
 

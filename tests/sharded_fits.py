@@ -81,7 +81,13 @@ class LlamaModule(pl.LightningModule):
     """``self.model(**batch).loss`` of a tiny Llama; FSDP2 shards it in ``configure_model`` when asked to."""
 
     def __init__(
-        self, fsdp2: bool, units: str = "layers", mixed: bool = False, reshard: bool | int = True, hsdp: bool = False
+        self,
+        fsdp2: bool,
+        units: str = "layers",
+        mixed: bool = False,
+        reshard: bool | int = True,
+        hsdp: bool = False,
+        tp: bool = False,
     ) -> None:
         super().__init__()
         self.fsdp2 = fsdp2
@@ -90,10 +96,19 @@ class LlamaModule(pl.LightningModule):
         # reshard_after_forward: False keeps each unit's parameters gathered until its backward; N keeps 1/N of them
         self.reshard = reshard
         self.hsdp = hsdp  # a 2-D mesh: parameters sharded within a group of ranks, replicated across the two groups
+        self.tp = tp  # each layer's linears tensor-parallel (torchtitan's plan without sequence parallelism) first
         self.model = tiny_llama()
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
+        if self.tp:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            cols = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+            plan: dict[str, Any] = {name: ColwiseParallel() for name in cols}
+            plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+            for layer in self.model.model.layers:
+                parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)
         if not self.fsdp2:
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -136,6 +151,10 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
         return DDPStrategy(process_group_backend="gloo")
     if name in ("fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp"):
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    if name == "tp2-fsdp2":  # a (world / 2) x 2 data-parallel x tensor-parallel mesh
+        return ModelParallelStrategy(data_parallel_size=world_size // 2, tensor_parallel_size=2)
+    if name == "tp":  # tensor parallelism over every rank, no FSDP
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=world_size)
     if name == "fsdp1":
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -147,11 +166,12 @@ def _strategy(name: str, world_size: int, units: str = "layers") -> Any:
 def _fit(strategy: str, precision: str, world_size: int, callbacks: list[Any], units: str, root: str) -> LlamaModule:
     pl.seed_everything(0)
     module = LlamaModule(
-        fsdp2=strategy.startswith("fsdp2") or strategy == "hsdp",
+        fsdp2=strategy.startswith("fsdp2") or strategy in ("hsdp", "tp2-fsdp2"),
         units=units,
         mixed=strategy == "fsdp2-mp",
         reshard={"fsdp2-keep": False, "fsdp2-reshard2": 2}.get(strategy, True),
         hsdp=strategy == "hsdp",
+        tp=strategy in ("tp", "tp2-fsdp2"),
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -251,7 +271,7 @@ def _rank(rank: int, cell: tuple[tuple[str, ...], tuple[str, ...], int, dict[str
 def _combos(strategies: tuple[str, ...], precisions: tuple[str, ...]) -> list[tuple[str, str]]:
     # FSDP2's own mixed precision (bf16 parameters, fp32 reduction) runs without Lightning's autocast, as torchtitan
     # runs it: only in "32-true"; so do reshard_after_forward=False and HSDP, whose precision changes nothing they test.
-    fp32_only = ("fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp")
+    fp32_only = ("fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "tp", "tp2-fsdp2")
     return [(s, p) for s in strategies for p in precisions if s not in fp32_only or p == "32-true"]
 
 

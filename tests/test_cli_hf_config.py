@@ -177,3 +177,72 @@ def test_wrong_hf_config_inputs_get_one_line(tmp_path, capsys, monkeypatch):
     line = _error(capsys, ["--hf-config", str(unknown), "--batch", "2", "--seq", "8"])
     assert f"--hf-config {unknown} is not a config transformers reads" in line and "not-a-model" in line
     assert not (tmp_path / "plan.json").exists()
+
+
+def _parallelized_by_hand(config: dict[str, Any]) -> torch.nn.Module:
+    """The config's model parallelized as a training script does: each layer by the model's own
+    ``base_model_tp_plan`` over the mesh's ``tp`` dim, then ``fully_shard`` per layer and the root over ``dp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _by_hand(config)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {k.removeprefix("layers.*."): styles[v]() for k, v in model.config.base_model_tp_plan.items()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+@pytest.mark.slow  # a plan and a direct profile (12 s); the copy itself: tests/test_tensor_parallel.py
+def test_tp_plans_one_rank_of_the_model_parallelize_module_and_fully_shard_make(tmp_path, capsys):
+    # --tp 2 --fsdp 2: the model's own base_model_tp_plan on 2 x 2 devices, against the same model parallelized and
+    # sharded for real (torch's fake process group of 4 ranks: this process is rank 0) and profiled directly.
+    from conftest import fake_ranks
+
+    path = _write(tmp_path, "llama.json", LLAMA)
+    flags = ["--device", "H100-SXM", "--budget-gb", "70", "--tp", "2", "--fsdp", "2", "--fsdp-units", "model.layers.*"]
+    _, profile, plan = _cli(capsys, tmp_path, path, *flags)
+    with fake_ranks(4):
+        direct = _direct(_parallelized_by_hand(LLAMA), "H100-SXM")
+    assert profile["peak_bytes"] == direct.peak_bytes
+    assert (
+        plan.unconstrained_peak_bytes
+        == solve_plan(direct, 70, world_size=2, sharding="sharded").unconstrained_peak_bytes
+    )
+    # One rank's shards: half of each split linear, then half of that over FSDP's 2 ranks (the optimizer's moments).
+    assert profile["modules"][""]["optimizer_state_bytes"] == direct.modules[""].optimizer_state_bytes
+
+
+def test_wrong_tp_inputs_get_one_line(tmp_path, capsys):
+    path = str(_write(tmp_path, "config.json", LLAMA))
+    common = ["--hf-config", path, "--batch", "2", "--seq", "8"]
+    assert "at least 2, got 1" in _error(capsys, [*common, "--tp", "1"])
+    assert "but no --tp T says over how many" in _error(
+        capsys, [*common, "--tp-plan", "model.layers.*.mlp.up_proj=colwise"]
+    )
+    assert "does not split evenly over 3" in _error(capsys, [*common, "--tp", "3"])
+    assert "split 'sequence'" in _error(capsys, [*common, "--tp", "2", "--tp-plan", "model.norm=sequence"])
+    assert "'model.blocks.*' name no module" in _error(
+        capsys, [*common, "--tp", "2", "--tp-plan", "model.blocks.*=colwise"]
+    )
+    no_plan = str(
+        _write(
+            tmp_path,
+            "gpt2.json",
+            {
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "vocab_size": 128,
+            },
+        )
+    )
+    assert "has no Hugging Face base_model_tp_plan" in _error(
+        capsys, ["--hf-config", no_plan, "--batch", "2", "--seq", "8", "--tp", "2"]
+    )

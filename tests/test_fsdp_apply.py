@@ -58,13 +58,14 @@ def test_autosacs_own_measurement_under_fsdp_agrees_with_an_outside_one() -> Non
         assert zero.own_measured == pytest.approx(zero.planned_peaks[1], rel=0.015), strategy
 
 
-def test_tensor_parallelism_is_refused_with_what_to_pass() -> None:
+def test_a_strategy_other_than_single_ddp_fsdp_or_tp_is_refused_with_what_to_pass() -> None:
     from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
     from lightning_sac.lightning.args import check_strategy
 
-    with pytest.raises(ValueError, match="tensor parallel size 2 .* tensor_parallel_size=1"):
-        check_strategy(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
-    check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))  # FSDP2: accepted
+    # FSDP2 and tensor parallelism: accepted (which TP styles are planned is checked on the model,
+    # tests/test_tensor_parallel.py)
+    check_strategy(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    check_strategy(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="got DeepSpeedStrategy"):
         check_strategy(DeepSpeedStrategy.__new__(DeepSpeedStrategy))

@@ -3,15 +3,18 @@
 The strategies: one device, DDP, FSDP2, FSDP2 with its own mixed precision (``fsdp2-mp``: bf16 parameters gathered
 and computed, fp32 reduction, Lightning's "32-true"; the dry run computes as the unit casts), FSDP2 with
 ``reshard_after_forward=False`` (``fsdp2-keep``) and ``=2`` on 4 ranks (``fsdp2-reshard2``), HSDP on 4 ranks
-(``hsdp``: 2 x 2, replicate x shard), FSDP1. FSDP2 with ``CPUOffloadPolicy`` is listed and skipped (see ``OFFLOAD``).
+(``hsdp``: 2 x 2, replicate x shard), tensor parallelism 2 x FSDP2 2 on 4 ranks (``tp2-fsdp2``: each decoder layer's
+linears column- and row-parallel as torchtitan's plan without sequence parallelism, then ``fully_shard`` over the
+data-parallel mesh dim), FSDP1. FSDP2 with ``CPUOffloadPolicy`` is listed and skipped (see ``OFFLOAD``).
 
 Each cell fits plain, then with AutoSAC at 80% of the cell's own measured plain per-rank peak (the highest over
 ranks and batches), on a tiny Hugging Face Llama (see ``sharded_fits``). Accept: a non-empty plan, identical on
 every rank (fingerprint and per-op decisions); losses equal the plain fit's; every rank's measured planned batch
-peaks within the budget + 2%, and AutoSAC's predicted peak within 5% of the rank's measured one. Every cell is in
-the matrix tier, which CI runs: multi-process cells (world size 2 and 4: 2 or 4 processes on this 2-core machine,
-30 to 70 s each) and the one-rank cells too (40 s for the four of a precision), whose behaviour the quick tier
-covers with shorter fits (tests/test_callback.py, tests/test_fsdp_apply.py, tests/test_loop_precision.py).
+peaks within the budget + 2%, and AutoSAC's predicted peak within 5% of the rank's measured one (3% in the cells of
+issue "Sharded training as large models really run": FSDP2's mixed precision, reshard_after_forward, HSDP, TP).
+Every cell is in the matrix tier, which CI runs: multi-process cells (world size 2 and 4: 2 or 4 processes on this
+2-core machine, 30 to 70 s each) and the one-rank cells too (40 s for the four of a precision), whose behaviour the
+quick tier covers with shorter fits (tests/test_callback.py, tests/test_fsdp_apply.py, tests/test_loop_precision.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from sharded_fits import CellResult, run_cells
 
 PRECISIONS = ("32-true", "bf16-mixed")
+SHARDED_AS_LARGE_MODELS_RUN = ("fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "tp2-fsdp2")
 
 
 @functools.cache
@@ -32,7 +36,7 @@ def _group(world_size: int, precisions: tuple[str, ...]) -> dict[tuple[str, str]
     by_size = {
         1: ("single", "ddp", "fsdp2", "fsdp2-mp", "fsdp1"),
         2: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp1"),
-        4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "fsdp1"),
+        4: ("ddp", "fsdp2", "fsdp2-mp", "fsdp2-keep", "fsdp2-reshard2", "hsdp", "tp2-fsdp2", "fsdp1"),
     }
     strategies = by_size[world_size]
     out = Path(tempfile.mkdtemp(prefix=f"matrix_ws{world_size}_"))
@@ -46,6 +50,7 @@ def _cells() -> list:
     # autocast), reshard_after_forward=False, and HSDP (a 2 x 2 replicate x shard mesh).
     extra = [("fsdp2-mp", 1), ("fsdp2-mp", 2), ("fsdp2-mp", 4), ("fsdp2-keep", 2), ("fsdp2-keep", 4)]
     extra += [("fsdp2-reshard2", 4), ("hsdp", 4)]  # reshard_after_forward=2: half of each unit kept after forward
+    extra += [("tp2-fsdp2", 4)]  # tensor parallel 2 inside each layer, FSDP2 over the 2 data-parallel ranks
     params += [pytest.param(s, w, "32-true", id=f"{s}-32-true-ws{w}", marks=pytest.mark.slow) for s, w in extra]
     return [*params, pytest.param("fsdp2-offload", 2, "32-true", id="fsdp2-offload-32-true-ws2", marks=OFFLOAD)]
 
@@ -77,7 +82,8 @@ def test_autosac_holds_in_the_cell(strategy: str, world_size: int, precision: st
         assert len(r.planned_peaks) == len(r.plain_peaks) > 0
         measured = max(r.planned_peaks)
         assert measured <= r.budget_bytes * 1.02, (r.rank, measured, r.budget_bytes)
-        # The prediction of the planned step within 5% of what the rank measured (issue bound).
-        assert abs(r.predicted_peak - measured) <= 0.05 * measured, (r.rank, r.predicted_peak, measured)
+        # The prediction of the planned step within 5% of what the rank measured (3% in the later cells: issue bounds).
+        bound = 0.03 if strategy in SHARDED_AS_LARGE_MODELS_RUN else 0.05
+        assert abs(r.predicted_peak - measured) <= bound * measured, (r.rank, r.predicted_peak, measured)
         # And the plain step's, which the budget was set from.
         assert abs(r.predicted_plain - max(r.plain_peaks)) <= 0.05 * max(r.plain_peaks)

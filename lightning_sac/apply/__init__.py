@@ -18,7 +18,7 @@ from lightning_sac.apply.fsdp_hooks import bracket_fsdp_units
 from lightning_sac.apply.planned import Notices
 from lightning_sac.apply.sac import SelectiveCheckpointForward, runs_whole, whole_checkpoints
 from lightning_sac.plan import check_backend
-from lightning_sac.sharding import clean_fqn, is_sharded
+from lightning_sac.sharding import clean_fqn, is_sharded, tensor_parallel_modules
 
 if TYPE_CHECKING:
     from lightning_sac.plan import Plan
@@ -146,6 +146,11 @@ def apply_plan(model: nn.Module, plan: Plan, *, backend: str | None = None) -> P
                 raise ValueError(
                     f"Module {fqn!r} contains FSDP units; the {backend!r} backend cannot checkpoint across FSDP's "
                     "gathers. Use backend='sac' (the default)."
+                )
+            if backend != "sac" and tensor_parallel_modules(module):
+                raise ValueError(
+                    f"Module {fqn!r} contains tensor-parallel modules; the {backend!r} backend does not keep their "
+                    "collectives out of its recompute. Use backend='sac' (the default)."
                 )
             handle._hooks += bracket_fsdp_units(module)
             if backend == "sac":

@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from lightning_sac.adapters import CacheCall, layer_indices, without_kv_caches
-from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
 from lightning_sac.apply.traced import TraceReport, traced_contexts
 from lightning_sac.ops import flat_tensors, is_random, mutated_tensors, op_name
 from lightning_sac.plan import ModuleDecision
+from lightning_sac.sharding import in_parallel_hook
 
 __all__ = ["CallState", "Notices", "PlannedForward", "bound"]
 
@@ -151,7 +151,7 @@ class PlannedForward:
         output: Any = None,
     ) -> CheckpointPolicy:
         """The decision for the next op of the call, ``func`` with its arguments (and its output, for SAC)."""
-        if in_fsdp_hook():  # a contained FSDP unit's own work, not the module's compute: not counted
+        if in_parallel_hook():  # FSDP's or a TP style's own work, not the module's compute: not counted
             return CheckpointPolicy.PREFER_RECOMPUTE
         i = state.index
         state.index += 1

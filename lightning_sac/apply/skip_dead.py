@@ -27,8 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
-from lightning_sac.apply.fsdp_hooks import in_fsdp_hook
 from lightning_sac.ops import MASKABLE_OPS, is_random, is_sac_ignored, op_name
+from lightning_sac.sharding import in_parallel_hook
 
 __all__ = ["SkipDeadOps", "placeholder"]
 
@@ -87,10 +87,10 @@ class SkipDeadOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.masks is not None and not in_fsdp_hook() and is_random(func, args, kwargs):
+        if self.masks is not None and not in_parallel_hook() and is_random(func, args, kwargs):
             self._count(func)
             return self._copy_back(func, args)
-        if self.diverged or is_sac_ignored(func) or in_fsdp_hook():
+        if self.diverged or is_sac_ignored(func) or in_parallel_hook():
             return func(*args, **kwargs)
         k = self._count(func)
         if self.diverged:

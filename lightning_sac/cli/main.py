@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sac.cli.args import CliParser, UsageError, call_factory, check_plan_args, load_factory, notice
 from lightning_sac.cli.hf_config import add_hf_arguments, check_hf_args, hf_made
-from lightning_sac.cli.sharding import add_sharding_arguments, check_units, declare_units
+from lightning_sac.cli.sharding import add_sharding_arguments, check_units, declare_units, tensor_parallel_model
 from lightning_sac.cli.step import TrainingStep, add_step_arguments, training_step
 from lightning_sac.devices import DEVICE_SPECS, DeviceSpec
 from lightning_sac.errors import BudgetError, LightningSACError
@@ -156,11 +156,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     made, about = hf_made(hf) if hf is not None else (call_factory(args.factory), None)
     check_candidates(args.candidates, made.model)
     check_units(args, made.model)  # before the dry run, which a wrong pattern would only make the user wait for
+    model = tensor_parallel_model(args, made.model)  # one tensor-parallel rank's model with --tp
     for note in notes:  # after every check, so that a wrong input gets its one line alone
         notice(note)
     step = training_step(made, args.optimizer, args.loss)
-    profile = _profile(made.model, made.inputs, step, spec, args.estimate, args.replace_existing)
-    declare_units(args, made.model, profile)
+    profile = _profile(model, made.inputs, step, spec, args.estimate, args.replace_existing)
+    declare_units(args, model, profile)
     check_checkpointable(args.candidates, profile, args.n_segments, args.backend)
     try:
         plan = solve_plan(

@@ -26,7 +26,7 @@ from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
 from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
 from lightning_sac.dryrun.cuda.sdpa import cuda_sdpa
-from lightning_sac.sharding import is_sharded, unsharded_memo
+from lightning_sac.sharding import check_tensor_parallel, is_sharded, unsharded_memo
 
 __all__ = ["CudaAttentionEmulation", "CudaEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
 
@@ -52,7 +52,8 @@ def fake_copy(
     No parameter data is read or copied, so a meta-device model of billions of parameters copies in
     seconds. Tied parameters stay tied. The user's model, its parameters and their ``.grad`` are untouched.
     A sharded model (FSDP2 or FSDP1) is copied unsharded: its modules as before sharding, its parameters of
-    their global shapes (:mod:`lightning_sac.sharding.unsharded`).
+    their global shapes (:mod:`lightning_sac.sharding.unsharded`); under tensor parallelism, of their shapes on
+    one rank, without the TP styles' hooks.
 
     Args:
         model: The model to copy.
@@ -64,7 +65,8 @@ def fake_copy(
     memo: dict[int, Any] = {id(o): o for o in share}
     for b in model.buffers():
         memo[id(b)] = _fake_like(b, mode, device)
-    if is_sharded(wrapper if wrapper is not None else model):
+    # A TP style the per-rank copy does not reproduce is refused here, before anything runs.
+    if is_sharded(wrapper if wrapper is not None else model) or check_tensor_parallel(model):
 
         def make_fake(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             with mode:

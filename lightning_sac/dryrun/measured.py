@@ -184,8 +184,11 @@ def peak_from_events(events: list[tuple[int, int]], baseline_bytes: int) -> Meas
 
 
 def unique_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages of ``tensors``."""
-    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+    """Bytes of the distinct storages of ``tensors``; a ``DTensor``'s are its local tensor's (what the rank holds)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}.values())
 
 
 def measure_training_step(

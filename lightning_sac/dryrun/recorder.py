@@ -44,6 +44,7 @@ from lightning_sac.ops import (
     noise_mask,
     op_name,
 )
+from lightning_sac.sharding import in_parallel_hook
 
 __all__ = ["StepRecorder"]
 
@@ -262,7 +263,9 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         sizes = self.output_bytes(func, args, kwargs) if self.output_bytes is not None else {}
         # The trace names the forward op that makes a storage (a plan recomputes it), asked only when one is made:
         # asking settles held-back views (op_graph.OpGraph), which must wait for the op that makes storage.
-        trace = self.memory.trace if self.phase == "forward" and not is_sac_ignored(func) else None
+        # Ops SAC ignores, and parallelism's own (sharding.brackets), are numbered as none of a module's.
+        unnumbered = is_sac_ignored(func) or in_parallel_hook()
+        trace = self.memory.trace if self.phase == "forward" and not unnumbered else None
         for i, t in enumerate(outputs):
             st = t.untyped_storage()
             added = not self.memory.is_live(st)
@@ -279,7 +282,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             self.memory.transient(workspace)
         if trace is not None:
             trace.op = -1
-        if self.phase == "forward" and is_sac_ignored(func):
+        if self.phase == "forward" and unnumbered:
             self.graph.pass_through(inputs, outputs)
         elif self.phase == "forward":
             # What the op writes and makes matters to the forward's op records only (asked once per op there).

@@ -138,20 +138,13 @@ def check_strategy(strategy: Any) -> None:
     """Refuse a strategy AutoSAC does not plan for, before anything runs.
 
     Raises:
-        ValueError: Not single-device, DDP, FSDP2 (``ModelParallelStrategy`` without tensor parallelism) or FSDP1
-            (``FSDPStrategy``).
+        ValueError: Not single-device, DDP, FSDP2 and tensor parallelism (``ModelParallelStrategy``; which TP
+            styles are planned is checked on the model, :func:`lightning_sac.sharding.check_tensor_parallel`) or
+            FSDP1 (``FSDPStrategy``).
     """
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, _SUPPORTED):
         raise ValueError(
-            f"AutoSAC supports single-device, DDP and FSDP training (FSDP2 through ModelParallelStrategy, FSDP1 "
-            f"through FSDPStrategy); got {type(strategy).__name__}. Use one of those, or remove AutoSAC."
+            f"AutoSAC supports single-device, DDP, FSDP and tensor-parallel training (FSDP2 and tensor parallelism "
+            f"through ModelParallelStrategy, FSDP1 through FSDPStrategy); got {type(strategy).__name__}. Use one of "
+            "those, or remove AutoSAC."
         )
-    if isinstance(strategy, ModelParallelStrategy):
-        tp = strategy._tensor_parallel_size
-        tp = strategy.num_processes if tp == "auto" else tp
-        if tp != 1:
-            raise ValueError(
-                f"AutoSAC plans FSDP2 (data parallel) training; this ModelParallelStrategy has tensor parallel "
-                f"size {tp} (its default 'auto' is every device), which AutoSAC does not model. Use "
-                "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1), or remove AutoSAC."
-            )

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_sac.adapters import compiled_parts
@@ -76,7 +77,12 @@ class PlanningMixin:
                 "budget_fraction=0.9 for 90% of the device."
             )
         sharded = is_sharded(trainer.strategy.model or trainer.lightning_module) is not None
-        return float(budget), trainer.world_size, "sharded" if sharded else "replicated"
+        world = trainer.world_size
+        if isinstance(trainer.strategy, ModelParallelStrategy) and not sharded:
+            # Tensor parallelism alone: no DDP wraps the model, so no gradient buckets; every rank's shards are in
+            # the profile's per-rank copy already (sharding.tensor_parallel).
+            world = 1
+        return float(budget), world, "sharded" if sharded else "replicated"
 
     def _matches(self, plan: Plan, pl_module: pl.LightningModule, batch: Any, trainer: pl.Trainer) -> str | None:
         """Why ``plan`` does not fit this run, or ``None`` when it does."""

@@ -32,7 +32,7 @@ from lightning_sac.dryrun import (
 from lightning_sac.profiling.calibrate import calibrate_modules
 from lightning_sac.profiling.overhead import measure_backend_overheads
 from lightning_sac.profiling.replicate import replicated_dry_run
-from lightning_sac.sharding import is_sharded
+from lightning_sac.sharding import is_sharded, tensor_parallel_modules
 
 __all__ = ["profile_model", "profile_step"]
 
@@ -183,6 +183,7 @@ def profile_step(
 
     # A timed step calibrates each module on this host from its recorded inputs: only a whole dry run has them.
     replicable = replicate and estimate != "benchmark" and wrapper is None and not is_sharded(model)
+    replicable = replicable and not tensor_parallel_modules(model)
     run = (replicable and replicated_dry_run(model, whole)) or whole()
     profile = run.profile
     # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts

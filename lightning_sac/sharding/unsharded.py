@@ -20,6 +20,13 @@ from torch import nn
 
 from lightning_sac.errors import ProfilingError
 from lightning_sac.sharding.layout import is_fsdp_hook
+from lightning_sac.sharding.tensor_parallel import (
+    TensorParallelModule,
+    add_collective_stand_ins,
+    is_tp_hook,
+    tensor_parallel_modules,
+    tp_local_shape,
+)
 
 __all__ = ["unsharded_memo"]
 
@@ -39,18 +46,25 @@ def _own_class(module: nn.Module) -> type:
     return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule))
 
 
-def _stripped_fsdp2(module: nn.Module) -> nn.Module:
-    """A shallow stand-in for an FSDP2 module: its own class, its dict without FSDP's state and hooks."""
-    proxy: nn.Module = object.__new__(_own_class(module))
+def _is_parallel_hook(hook: object) -> bool:
+    return is_fsdp_hook(hook) or is_tp_hook(hook)
+
+
+def _stripped(module: nn.Module) -> nn.Module:
+    """A shallow stand-in for a module FSDP2 or a TP style changed: its own class, without their state and hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = _own_class(module) if isinstance(module, FSDPModule) else type(module)
+    proxy: nn.Module = object.__new__(cls)
     state = {k: v for k, v in module.__dict__.items() if not k.startswith(_STATE_KEY_PREFIX)}
-    fsdp_hooks = {k for k, h in module._forward_pre_hooks.items() if is_fsdp_hook(h)}
-    fsdp_hooks |= {k for k, h in module._forward_hooks.items() if is_fsdp_hook(h)}
+    dropped = {k for k, h in module._forward_pre_hooks.items() if _is_parallel_hook(h)}
+    dropped |= {k for k, h in module._forward_hooks.items() if _is_parallel_hook(h)}
     for name in _HOOK_DICTS:
         hooks = state[name]
         if isinstance(hooks, OrderedDict):
-            state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in fsdp_hooks)
+            state[name] = OrderedDict((k, v) for k, v in hooks.items() if k not in dropped)
         else:  # a set of hook ids
-            state[name] = type(hooks)(k for k in hooks if k not in fsdp_hooks)
+            state[name] = type(hooks)(k for k in hooks if k not in dropped)
     for key in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
         state.pop(key, None)
     proxy.__dict__.update(state)
@@ -106,11 +120,12 @@ def unsharded_memo(
 
     scope = outer if outer is not None else model
     flat_shapes = _fsdp1_global_params(scope)
-    compute = _fsdp2_compute_dtypes(model)
+    compute = _fsdp2_compute(model)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            fake = make_fake(p.shape, compute.get(id(p), p.dtype))
-            memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+            # FSDP2's unsharded parameter (TP-local under tensor parallelism), or a TP-only parameter's local shape
+            shape, dtype = compute.get(id(p), (tp_local_shape(p), p.dtype))
+            memo[id(p)] = nn.Parameter(make_fake(shape, dtype), requires_grad=p.requires_grad)
         elif id(p) in flat_shapes:
             shape, dtype, grad = flat_shapes[id(p)]
             memo[id(p)] = nn.Parameter(make_fake(shape, dtype), requires_grad=grad)
@@ -121,30 +136,42 @@ def unsharded_memo(
             if b.is_floating_point():
                 memo[id(b)] = make_fake(b.shape, buffer_dtype)
     # Children before parents: a parent's copy finds its sharded children already copied in the memo.
+    tensor_parallel = {id(m): tp.style for tp, m in _tp_modules(model)}
     for m in reversed(list(model.modules())):
         if isinstance(m, FSDPModule):
-            memo[id(m)] = copy.deepcopy(_stripped_fsdp2(m), memo)
+            memo[id(m)] = copy.deepcopy(_stripped(m), memo)
             _cast_as_fsdp2(memo[id(m)], m._get_fsdp_state()._mp_policy)
         elif isinstance(m, FullyShardedDataParallel):
             memo[id(m)] = copy.deepcopy(m._fsdp_wrapped_module, memo)
+        if id(m) in tensor_parallel:  # its TP hooks dropped above; its collectives' buffers stood in for
+            if not isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+                memo[id(m)] = copy.deepcopy(_stripped(m), memo)
+            add_collective_stand_ins(memo[id(m)], tensor_parallel[id(m)])
 
 
-def _fsdp2_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
-    """Per FSDP2 parameter (its sharded ``DTensor``), the dtype its unit gathers and computes it in.
+def _tp_modules(model: nn.Module) -> list[tuple[TensorParallelModule, nn.Module]]:
+    modules = dict(model.named_modules())
+    return [(tp, modules[tp.fqn]) for tp in tensor_parallel_modules(model)]
 
-    ``MixedPrecisionPolicy(param_dtype=...)`` gathers the parameters cast (torchtitan's bf16 with fp32 shards): the
-    step's matmuls, and what autograd saves for them, are in that dtype.
+
+def _fsdp2_compute(model: nn.Module) -> dict[int, tuple[torch.Size, torch.dtype]]:
+    """Per FSDP2 parameter (its sharded ``DTensor``), the shape and dtype its unit gathers and computes it in.
+
+    The shape is the parameter's own, or under tensor parallelism its TP-local one (FSDP2 shards a TP ``DTensor``'s
+    local tensor and gathers it back). ``MixedPrecisionPolicy(param_dtype=...)`` gathers the parameters cast
+    (torchtitan's bf16 with fp32 shards): the step's matmuls, and what autograd saves for them, are in that dtype.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    dtypes: dict[int, torch.dtype] = {}
+    out: dict[int, tuple[torch.Size, torch.dtype]] = {}
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
         for group in m._get_fsdp_state()._fsdp_param_groups:
-            if group.mp_policy.param_dtype is not None:
-                dtypes.update((id(p.sharded_param), group.mp_policy.param_dtype) for p in group.fsdp_params)
-    return dtypes
+            for p in group.fsdp_params:
+                dtype = group.mp_policy.param_dtype or p.sharded_param.dtype
+                out[id(p.sharded_param)] = (p._orig_size, dtype)
+    return out
 
 
 def _cast_floating(dtype: torch.dtype) -> Callable[[Any], Any]:
@@ -182,4 +209,3 @@ def _fsdp1_buffer_dtype(outer: nn.Module) -> torch.dtype | None:
             mp = m.mixed_precision
             return None if mp is None else mp.buffer_dtype
     return None
-

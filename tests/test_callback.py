@@ -234,6 +234,6 @@ def test_bad_arguments_and_unsupported_strategies():
     with pytest.raises(ValueError, match="backend must be"):
         AutoSAC(budget_gb=1.0, backend="magic")
     fake_trainer = types.SimpleNamespace(strategy=object())
-    with pytest.raises(ValueError, match="supports single-device, DDP and FSDP training .*; got object"):
+    with pytest.raises(ValueError, match="supports single-device, DDP, FSDP and tensor-parallel .*; got object"):
         AutoSAC(budget_gb=1.0).setup(fake_trainer, module(), "fit")  # type: ignore[arg-type]
     AutoSAC(budget_gb=1.0).setup(fake_trainer, module(), "validate")  # other stages are not validated

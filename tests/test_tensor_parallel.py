@@ -130,7 +130,7 @@ def _two_steps(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[tuple[t
 
 @pytest.mark.parametrize("fraction", [pytest.param(0.8, marks=pytest.mark.slow), 0.6])  # 4 s each
 def test_a_planned_tp_llama_holds_its_plan_its_values_and_its_prediction(two_ranks: None, fraction: float) -> None:
-    batch = lm_batch(128, batch=8, seq=128)
+    batch = lm_batch(128, batch=4, seq=64, pad_from=48)
     profile = profile_model(tp_llama(2), batch, optimizer_factory=adamw, device="cpu")
     plain = measure_training_step(tp_llama(2), batch, optimizer_factory=adamw).peak_bytes
     assert profile.plain_peak_bytes == plain
@@ -140,7 +140,10 @@ def test_a_planned_tp_llama_holds_its_plan_its_values_and_its_prediction(two_ran
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lightning-sac")  # no call may leave the profiled ops
         handle = apply_plan(planned, plan)
-        assert measure_training_step(planned, batch, optimizer_factory=adamw).peak_bytes == plan.predicted_peak_bytes
+        measured = measure_training_step(planned, batch, optimizer_factory=adamw).peak_bytes
+    # Never under, and at most 1% over: a partly discarded decoder layer is predicted up to 16,896 bytes high on this
+    # model with or without tensor parallelism (the memory model's slack, not TP's).
+    assert measured <= plan.predicted_peak_bytes <= 1.01 * measured
     assert all(w.calls == 2 and w.mismatched_calls == 0 for w in handle.wrappers.values())
     handle.remove()
     # The graph backend reruns its own recorded graph, collectives included: refused, the model left as it was.
@@ -225,6 +228,27 @@ def test_tensor_parallelism_alone_is_planned_without_ddps_gradient_buckets(two_r
     trainer = SimpleNamespace(strategy=tp_only, lightning_module=model, world_size=2)
     assert AutoSAC(budget_gb=10)._settings(trainer, spec) == (10.0, 1, "replicated")
     ddp = SimpleNamespace(model=model)  # any other strategy of 2 ranks keeps its world size
-    assert AutoSAC(budget_gb=10)._settings(SimpleNamespace(strategy=ddp, lightning_module=model, world_size=2), spec)[
-        1
-    ] == 2
+    assert (
+        AutoSAC(budget_gb=10)._settings(SimpleNamespace(strategy=ddp, lightning_module=model, world_size=2), spec)[1]
+        == 2
+    )
+
+
+def test_a_temporary_past_the_early_stop_is_never_saved(two_ranks: None) -> None:
+    # A row-parallel linear's partial sums (the MLP's last matmul) are freed once all-reduced, after the MLP's last
+    # saved tensor: SAC's recompute stops before it, so a plan that saved it held 65,536 bytes (4 x 64 x 64 fp32)
+    # unread until the MLP's backward ended, above its prediction. Such temporaries are always recomputed.
+    from lightning_sac.solver import optimal_op_policy
+    from lightning_sac.solver.tradeoff import never_rerun
+
+    batch = lm_batch(128, batch=4, seq=64, pad_from=48)
+    stats = profile_model(tp_llama(2), batch, device="cpu").modules["model.layers.2.mlp"].op_stats
+    last_mm = len(stats.func_names) - 2  # ..., mm, _unsafe_view: the partial sums before the stand-in all-reduce
+    assert stats.func_names[last_mm] == "aten.mm.default" and stats.recompute_stop == last_mm
+    assert stats.memory[last_mm] == 4 * 64 * 64 * 4 and stats.freed_at[last_mm] >= 0
+    assert never_rerun(stats) == {last_mm}
+    assert all(optimal_op_policy(stats, f / 10)[last_mm] == 0 for f in range(11))
+    # Without tensor parallelism the same matmul makes the MLP's output, alive anyway: left to the plan.
+    torch.manual_seed(0)
+    plain = profile_model(tiny_llama(), batch, device="cpu").modules["model.layers.2.mlp"].op_stats
+    assert plain.freed_at[last_mm] == -1 and never_rerun(plain) == set()

@@ -24,22 +24,27 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
-from lightning_sac.ops import MASKABLE_OPS, is_random, is_sac_ignored, op_name
+from lightning_sac.ops import MASKABLE_OPS, flat_tensors, is_random, is_sac_ignored, op_name
 from lightning_sac.sharding import in_parallel_hook
 
 __all__ = ["SkipDeadOps", "placeholder"]
 
 
 def placeholder(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """A NaN-filled tensor with the layout ``func``'s output would have, or ``None`` when it has no single one.
+    """A NaN-filled tensor with the layout ``func``'s output would have, or ``None`` when it has none to give.
 
+    ``None`` when the op has no single tensor output, or takes a tensor subclass such as ``DTensor``.
     The layout comes from the op's meta kernel run on meta copies of the arguments: no data is read. Only the
     layout's allocation reaches the modes beneath (a FLOP counter sees no matrix product).
     """
     tensors: list[torch.Tensor] = []
+    if any(is_traceable_wrapper_subclass(t) for t in flat_tensors(args) + flat_tensors(list(kwargs.values()))):
+        # A DTensor's op (a tensor-parallel linear's): its output is a DTensor of the rank's local shard, which a
+        # meta kernel on the global shapes does not give. Such an op runs.
+        return None
 
     def to_meta(t: torch.Tensor) -> torch.Tensor:
         tensors.append(t)

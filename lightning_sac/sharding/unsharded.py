@@ -124,7 +124,7 @@ def unsharded_memo(
     for p in model.parameters():
         if isinstance(p, DTensor):
             # FSDP2's unsharded parameter (TP-local under tensor parallelism), or a TP-only parameter's local shape
-            shape, dtype = compute.get(id(p), (tp_local_shape(p), p.dtype))
+            shape, dtype = compute[id(p)] if id(p) in compute else (tp_local_shape(p), p.dtype)
             memo[id(p)] = nn.Parameter(make_fake(shape, dtype), requires_grad=p.requires_grad)
         elif id(p) in flat_shapes:
             shape, dtype, grad = flat_shapes[id(p)]

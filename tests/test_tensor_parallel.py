@@ -252,3 +252,18 @@ def test_a_temporary_past_the_early_stop_is_never_saved(two_ranks: None) -> None
     torch.manual_seed(0)
     plain = profile_model(tiny_llama(), batch, device="cpu").modules["model.layers.2.mlp"].op_stats
     assert plain.freed_at[last_mm] == -1 and never_rerun(plain) == set()
+
+
+def test_a_dtensor_op_is_never_skipped_in_a_recompute(two_ranks: None) -> None:
+    # A recompute skips a matmul whose value nothing needs (a GPT-2 MLP's projection before dropout) by standing a
+    # NaN tensor of its layout in for it. A tensor-parallel linear's matmul runs on DTensors: a plain tensor of the
+    # global layout in its place broke the style's output hook (`'Tensor' object has no attribute 'placements'`).
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from lightning_sac.apply.skip_dead import placeholder
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    assert placeholder(torch.ops.aten.mm.default, (a, b), {}).shape == (4, 6)
+    da, db = distribute_tensor(a, mesh, [Replicate()]), distribute_tensor(b, mesh, [Shard(1)])
+    assert placeholder(torch.ops.aten.mm.default, (da, db), {}) is None

@@ -28,7 +28,7 @@ def _check_budget(memory_budget: float) -> None:
 
 
 def _shared_memory(stats: ModuleOpStats, backend: str) -> list[int]:
-    # Ops past SAC's early stop are always recomputed (never rerun): no part of the memory a budget shares out.
+    # Temporaries past SAC's early stop are always recomputed (never_rerun): no part of the memory a budget shares.
     never = never_rerun(stats, backend)
     return [0 if i in never else m for i, m in enumerate(effective_memory(stats))]
 
@@ -61,7 +61,6 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str =
         ValueError: ``memory_budget`` is outside ``[0, 1]`` or below what must be saved regardless.
     """
     _check_budget(memory_budget)
-    never = never_rerun(stats, backend)
     memory = _shared_memory(stats, backend)
     costs = recompute_costs(stats, backend)
     # Everything the knapsack below reads; HiGHS runs single-threaded with a fixed seed, so an equal key gives
@@ -77,17 +76,17 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str =
         stats.force_store_random,
         tuple(stats.stateful_ops),
         tuple(stats.reads_before_overwrite),
-        tuple(sorted(never)),
+        tuple(sorted(never_rerun(stats, backend))),
     )
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()
-        _CACHE[key] = _solve_knapsack(stats, memory_budget, memory, costs, never, backend)
+        _CACHE[key] = _solve_knapsack(stats, memory_budget, memory, costs, backend)
     return list(_CACHE[key])
 
 
 def _solve_knapsack(
-    stats: ModuleOpStats, memory_budget: float, memory: list[int], costs: list[float], never: set[int], backend: str
+    stats: ModuleOpStats, memory_budget: float, memory: list[int], costs: list[float], backend: str = "sac"
 ) -> list[int]:
     n = len(stats.func_names)
     # A budget read off a point of the trade-off curve can land a hair below that point's bytes in floating
@@ -95,7 +94,7 @@ def _solve_knapsack(
     capacity = math.floor(memory_budget * sum(memory) + 1e-6)
     h = new_highs(time_limit_s=10.0, mip_gap=0.0)
     x = [h.addBinary() for _ in range(n)]
-    for i in [*stats.view_like_ops, *sorted(never)]:
+    for i in [*stats.view_like_ops, *sorted(never_rerun(stats, backend))]:
         h.addConstr(x[i] == RECOMPUTE)
     for op, head in stats.inplace_ops:
         h.addConstr(x[op] == (SAVE if op == head else x[head]))

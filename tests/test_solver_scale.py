@@ -40,6 +40,7 @@ from lightning_sac.solver.tradeoff import (
     _MAX_EXHAUSTIVE_FITS,
     _fit_lines,
     _fit_with_breaks,
+    effective_memory,
     module_tradeoff,
 )
 
@@ -199,7 +200,7 @@ def test_knapsack_is_solved_once_per_distinct_module_and_budget(profile: ModelPr
 
 
 def _effective_and_costs(stats: ModuleOpStats) -> tuple[list[int], list[float]]:
-    return knapsack._shared_memory(stats, "sac"), recompute_costs(stats)
+    return effective_memory(stats), recompute_costs(stats)
 
 
 def test_related_pairs_are_every_nested_pair_in_order(profile: ModelProfile) -> None:

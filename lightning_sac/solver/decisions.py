@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from lightning_sac.dryrun import ModelProfile
+from lightning_sac.dryrun import ModelProfile, ModuleOpStats
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
 from lightning_sac.solver.highs import new_highs
@@ -27,6 +27,7 @@ __all__ = [
     "Found",
     "alternative_plans",
     "lowest_plan",
+    "past_the_stop_recomputed",
     "peer_choices",
     "plan_decisions",
     "plan_peak",
@@ -74,6 +75,24 @@ def _transient(profile: ModelProfile, fqn: str, policy: list[int], backend: str,
     return exact
 
 
+def past_the_stop_recomputed(stats: ModuleOpStats, policy: list[int], backend: str) -> list[int]:
+    """``policy`` with every op a SAC recompute never reaches recomputed, unless tied to another op's decision.
+
+    SAC's recompute stops once it has saved again every tensor the forward saved (its early stop): the ops from there
+    on never rerun, so saving one spares no work, and its output stays in the checkpoint's cache, unread, until the
+    module's backward is over: a temporary the forward frees (a tensor-parallel linear's partial sums before their
+    all-reduce, a residual branch's last matmul) is then held longer than the plan's figures say (65,536 bytes over
+    the prediction, measured on a TP Llama), and the module's output longer than autograd holds it. Applied to the
+    knapsack's answer, so the trade-off curves the MILP weighs are as before; only what the plan holds goes down.
+    Ops tied to others (in place, random, stateful, read before a write) keep their decision.
+    """
+    if backend != "sac" or stats.recompute_stop is None:
+        return policy
+    tied = set(stats.rand_ops) | set(stats.stateful_ops)
+    tied |= {i for pair in [*stats.inplace_ops, *stats.reads_before_overwrite] for i in pair}
+    return [0 if i >= stats.recompute_stop and i not in tied else keep for i, keep in enumerate(policy)]
+
+
 def plan_decisions(
     profile: ModelProfile,
     cands: list[Candidate],
@@ -97,7 +116,7 @@ def plan_decisions(
         if not c.tradeoff.stored and discard >= c.tradeoff.max_discard - 1e-9:
             keep = 0.0  # the largest discard of a module that must save nothing: rounding must not save an op
         view = masked_view(stats, backend) if masks else stats
-        found = optimal_op_policy(view, keep, backend)
+        found = past_the_stop_recomputed(stats, optimal_op_policy(view, keep, backend), backend)
         saved = sum(m for m, keep in zip(effective_memory(view), found, strict=True) if keep)
         if c.retained - saved <= 0:
             continue  # chosen at its minimum discard: wrapping it would cost time and free nothing

@@ -9,7 +9,7 @@ import highspy
 from lightning_sac.dryrun import ModuleOpStats
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.recompute import recompute_costs
-from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, never_rerun, recompute_units
+from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, recompute_units
 
 __all__ = ["greedy_op_policy", "least_kept_policy", "optimal_op_policy"]
 
@@ -27,15 +27,10 @@ def _check_budget(memory_budget: float) -> None:
         )
 
 
-def _shared_memory(stats: ModuleOpStats, backend: str) -> list[int]:
-    # Temporaries past SAC's early stop are always recomputed (never_rerun): no part of the memory a budget shares.
-    never = never_rerun(stats, backend)
-    return [0 if i in never else m for i, m in enumerate(effective_memory(stats))]
-
-
-def _min_budget(stats: ModuleOpStats, backend: str = "sac") -> float:
-    total = sum(_shared_memory(stats, backend))
-    _, stored = recompute_units(stats, backend)
+def _min_budget(stats: ModuleOpStats) -> float:
+    memory = effective_memory(stats)
+    total = sum(memory)
+    _, stored = recompute_units(stats)
     return 0.0 if total == 0 else sum(u.memory for u in stored) / total
 
 
@@ -61,7 +56,7 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str =
         ValueError: ``memory_budget`` is outside ``[0, 1]`` or below what must be saved regardless.
     """
     _check_budget(memory_budget)
-    memory = _shared_memory(stats, backend)
+    memory = effective_memory(stats)
     costs = recompute_costs(stats, backend)
     # Everything the knapsack below reads; HiGHS runs single-threaded with a fixed seed, so an equal key gives
     # an equal model and answer.
@@ -76,25 +71,22 @@ def optimal_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str =
         stats.force_store_random,
         tuple(stats.stateful_ops),
         tuple(stats.reads_before_overwrite),
-        tuple(sorted(never_rerun(stats, backend))),
     )
     if key not in _CACHE:
         if len(_CACHE) >= 1024:
             _CACHE.clear()
-        _CACHE[key] = _solve_knapsack(stats, memory_budget, memory, costs, backend)
+        _CACHE[key] = _solve_knapsack(stats, memory_budget, memory, costs)
     return list(_CACHE[key])
 
 
-def _solve_knapsack(
-    stats: ModuleOpStats, memory_budget: float, memory: list[int], costs: list[float], backend: str = "sac"
-) -> list[int]:
+def _solve_knapsack(stats: ModuleOpStats, memory_budget: float, memory: list[int], costs: list[float]) -> list[int]:
     n = len(stats.func_names)
     # A budget read off a point of the trade-off curve can land a hair below that point's bytes in floating
     # point (8388607.99999999 for 8 MiB); flooring that would drop a whole unit.
     capacity = math.floor(memory_budget * sum(memory) + 1e-6)
     h = new_highs(time_limit_s=10.0, mip_gap=0.0)
     x = [h.addBinary() for _ in range(n)]
-    for i in [*stats.view_like_ops, *sorted(never_rerun(stats, backend))]:
+    for i in stats.view_like_ops:
         h.addConstr(x[i] == RECOMPUTE)
     for op, head in stats.inplace_ops:
         h.addConstr(x[op] == (SAVE if op == head else x[head]))
@@ -113,8 +105,8 @@ def _solve_knapsack(
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         raise ValueError(
-            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats, backend):.4f} of this module's op "
-            "memory that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
+            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats):.4f} of this module's op memory "
+            "that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
         )
     if status != highspy.HighsModelStatus.kOptimal:
         raise RuntimeError(f"HiGHS could not solve the op knapsack: {h.modelStatusToString(status)}.")
@@ -128,7 +120,7 @@ def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
     forced random ops; see :func:`~lightning_sac.solver.tradeoff.recompute_units`) may hold memory, so a budget of 0
     can be infeasible; this one never is.
     """
-    return optimal_op_policy(stats, _min_budget(stats, backend), backend)
+    return optimal_op_policy(stats, _min_budget(stats), backend)
 
 
 def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:
@@ -139,7 +131,7 @@ def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = 
     _check_budget(memory_budget)
     tradeoff = module_tradeoff(stats, backend=backend)
     policy = [SAVE] * len(stats.func_names)
-    for i in [*stats.view_like_ops, *never_rerun(stats, backend)]:
+    for i in stats.view_like_ops:
         policy[i] = RECOMPUTE
     saved = tradeoff.total_memory
     limit = memory_budget * tradeoff.total_memory
@@ -151,7 +143,7 @@ def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = 
         saved -= unit.memory
     if saved > limit:
         raise ValueError(
-            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats, backend):.4f} of this module's op "
-            "memory that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
+            f"memory_budget {memory_budget:.4f} is below the {_min_budget(stats):.4f} of this module's op memory "
+            "that must stay saved (in-place ops on inputs, forced random ops). Use a larger budget."
         )
     return policy

@@ -18,14 +18,7 @@ import numpy as np
 from lightning_sac.dryrun import ModuleOpStats
 from lightning_sac.solver.recompute import output_op, recompute_costs
 
-__all__ = [
-    "ModuleTradeoff",
-    "RecomputeUnit",
-    "effective_memory",
-    "module_tradeoff",
-    "never_rerun",
-    "recompute_units",
-]
+__all__ = ["ModuleTradeoff", "RecomputeUnit", "effective_memory", "module_tradeoff", "recompute_units"]
 
 # Exhaustive search over break points is exact and needs no random numbers; past this many candidate break
 # combinations the search falls back to pwlf's fitfast with a fixed seed.
@@ -111,32 +104,14 @@ def effective_memory(stats: ModuleOpStats) -> list[int]:
     return memory
 
 
-def never_rerun(stats: ModuleOpStats, backend: str = "sac") -> set[int]:
-    """Temporaries a SAC recompute never reaches, which a plan must not save: saving one only holds its memory.
-
-    SAC's recompute stops once it has saved again every tensor the forward saved (its early stop): the ops from there
-    on never rerun. A saved one whose output the forward frees (a residual branch's last matmul before the add; a
-    tensor-parallel linear's partial sums before their all-reduce) stays in the checkpoint's cache, never read, until
-    the module's backward is over, measured. Ops tied to others (in place, random, stateful, read before a write)
-    keep their constraints; the module's output, alive anyway, is left to the plan.
-    """
-    n = len(stats.func_names)
-    if backend != "sac" or stats.recompute_stop is None or len(stats.freed_at) != n:
-        return set()
-    tied = set(stats.rand_ops) | set(stats.stateful_ops)
-    tied |= {i for pair in [*stats.inplace_ops, *stats.reads_before_overwrite] for i in pair}
-    return {i for i in range(stats.recompute_stop, n) if stats.freed_at[i] >= 0 and stats.memory[i]} - tied
-
-
 def recompute_units(stats: ModuleOpStats, backend: str = "sac") -> tuple[list[RecomputeUnit], list[RecomputeUnit]]:
-    """Group ops into units; return ``(candidates, stored)``.
+    """Group ops into units; return ``(candidates, stored)``. View-like ops belong to neither: always recomputed.
 
-    View-like ops, and those a SAC recompute never reaches (:func:`never_rerun`),
-    belong to neither: always recomputed. In-place ops join the op that produced the storage they mutate, and an op
-    that reads a tensor before an in-place op overwrites it joins the op that made it (``reads_before_overwrite``);
-    all random ops form one unit, so that recompute replays the generator exactly; a unit is stored when it holds an
-    in-place op on a storage from outside the module, a stateful op (one that writes state it does not return, which
-    must not run twice), random ops with ``force_store_random``, or no memory at all.
+    In-place ops join the op that produced the storage they mutate, and an op that reads a tensor before an in-place
+    op overwrites it joins the op that made it (``reads_before_overwrite``); all random ops form one unit, so that
+    recompute replays the generator exactly; a unit is stored when it holds an in-place op on a storage from outside
+    the module, a stateful op (one that writes state it does not return, which must not run twice), random ops with
+    ``force_store_random``, or no memory at all.
     """
     n = len(stats.func_names)
     parent = list(range(n))
@@ -153,7 +128,7 @@ def recompute_units(stats: ModuleOpStats, backend: str = "sac") -> tuple[list[Re
         parent[find(b)] = find(a)
     memory = effective_memory(stats)
     costs = recompute_costs(stats, backend)
-    views = set(stats.view_like_ops) | never_rerun(stats, backend)
+    views = set(stats.view_like_ops)
     own_storage = {op for op, head in stats.inplace_ops if op == head}
     stateful = set(stats.stateful_ops)
     groups: dict[int, list[int]] = {}

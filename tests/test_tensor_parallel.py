@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from zoo import lm_batch
 
-from lightning_sac import ProfilingError, apply_plan, profile_model, solve_plan
+from lightning_sac import ModelProfile, ProfilingError, apply_plan, profile_model, solve_plan
 from lightning_sac.dryrun.emulation import fake_copy
 from lightning_sac.dryrun.measured import measure_training_step
 from lightning_sac.sharding import declared_tensor_parallel
@@ -44,6 +44,17 @@ ROWS = ("self_attn.o_proj", "mlp.down_proj")
 def two_ranks() -> Iterator[None]:
     with fake_ranks(2):
         yield
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    return lm_batch(128, batch=4, seq=64, pad_from=48)
+
+
+@pytest.fixture(scope="module")
+def tp_profile() -> ModelProfile:
+    """The TP 2 Llama's profile with AdamW on :func:`padded_batch` (the process group is gone once it is made)."""
+    with fake_ranks(2):
+        return profile_model(tp_llama(2), padded_batch(), optimizer_factory=adamw, device="cpu")
 
 
 def layer_plan() -> dict[str, object]:
@@ -129,9 +140,10 @@ def _two_steps(model: nn.Module, batch: dict[str, torch.Tensor]) -> list[tuple[t
 
 
 @pytest.mark.parametrize("fraction", [pytest.param(0.8, marks=pytest.mark.slow), 0.6])  # 4 s each
-def test_a_planned_tp_llama_holds_its_plan_its_values_and_its_prediction(two_ranks: None, fraction: float) -> None:
-    batch = lm_batch(128, batch=4, seq=64, pad_from=48)
-    profile = profile_model(tp_llama(2), batch, optimizer_factory=adamw, device="cpu")
+def test_a_planned_tp_llama_holds_its_plan_its_values_and_its_prediction(
+    tp_profile: ModelProfile, two_ranks: None, fraction: float
+) -> None:
+    batch, profile = padded_batch(), tp_profile
     plain = measure_training_step(tp_llama(2), batch, optimizer_factory=adamw).peak_bytes
     assert profile.plain_peak_bytes == plain
     plan = solve_plan(profile, fraction * plain / GIB)
@@ -234,7 +246,7 @@ def test_tensor_parallelism_alone_is_planned_without_ddps_gradient_buckets(two_r
     )
 
 
-def test_no_plan_saves_an_op_past_the_early_stop(two_ranks: None) -> None:
+def test_no_plan_saves_an_op_past_the_early_stop(tp_profile: ModelProfile) -> None:
     # A row-parallel linear's partial sums (the MLP's last matmul) are freed once all-reduced, after the MLP's last
     # saved tensor: SAC's recompute stops before it, so a plan that saved it held 65,536 bytes (4 x 64 x 64 fp32)
     # unread until the MLP's backward ended, above its prediction (a 60% plan of this model measured so). The op
@@ -242,8 +254,7 @@ def test_no_plan_saves_an_op_past_the_early_stop(two_ranks: None) -> None:
     from lightning_sac.solver import optimal_op_policy
     from lightning_sac.solver.decisions import past_the_stop_recomputed
 
-    batch = lm_batch(128, batch=4, seq=64, pad_from=48)
-    profile = profile_model(tp_llama(2), batch, optimizer_factory=adamw, device="cpu")
+    profile = tp_profile
     stats = profile.modules["model.layers.2.mlp"].op_stats
     last_mm = len(stats.func_names) - 2  # ..., mm, _unsafe_view: the partial sums before the stand-in all-reduce
     assert stats.func_names[last_mm] == "aten.mm.default" and stats.recompute_stop == last_mm

@@ -282,3 +282,18 @@ def test_a_dtensor_op_is_never_skipped_in_a_recompute(two_ranks: None) -> None:
     assert placeholder(torch.ops.aten.mm.default, (a, b), {}).shape == (4, 6)
     da, db = distribute_tensor(a, mesh, [Replicate()]), distribute_tensor(b, mesh, [Shard(1)])
     assert placeholder(torch.ops.aten.mm.default, (da, db), {}) is None
+
+
+def test_sequence_parallelism_under_fsdp2_is_refused_too() -> None:
+    # FSDP's check of the model came first and did not ask the TP one: a sequence-parallel norm under fully_shard
+    # was copied without its style's effect (its hooks dropped, no stand-in) and planned as if whole.
+    from torch.distributed.fsdp import fully_shard
+
+    with fake_ranks(4):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model.model.layers[0], mesh["tp"], {"input_layernorm": SequenceParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        with pytest.raises(ProfilingError, match="'model.layers.0.input_layernorm' \\(LlamaRMSNorm\\) has Seq"):
+            profile_model(model, lm_batch(128, batch=2, seq=16), device="cpu")

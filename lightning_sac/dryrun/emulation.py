@@ -65,8 +65,9 @@ def fake_copy(
     memo: dict[int, Any] = {id(o): o for o in share}
     for b in model.buffers():
         memo[id(b)] = _fake_like(b, mode, device)
-    # A TP style the per-rank copy does not reproduce is refused here, before anything runs.
-    if is_sharded(wrapper if wrapper is not None else model) or check_tensor_parallel(model):
+    # A TP style the per-rank copy does not reproduce is refused here, before anything runs, FSDP or not.
+    tensor_parallel = check_tensor_parallel(model)
+    if is_sharded(wrapper if wrapper is not None else model) or tensor_parallel:
 
         def make_fake(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             with mode:

@@ -19,7 +19,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -149,14 +148,14 @@ class FitRun:
 
 
 def _live_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.Tensor]:
-    """The rank's own training state: parameters (a DTensor's local shard), their gradients, the optimizer's
-    state and the buffers of the model as the strategy runs it (FSDP1's wrapper, whose parameters view its shard).
+    """The rank's own training state: parameters, their gradients, the optimizer's state and the buffers of the
+    model as the strategy runs it (FSDP1's wrapper, whose parameters view its shard); ``unique_bytes`` counts a
+    DTensor as its local shard.
     """
     model = trainer.strategy.model or pl_module
     params = list(model.parameters())
     state = [v for opt in trainer.optimizers for per_param in opt.state.values() for v in per_param.values()]
-    tensors = [*params, *[p.grad for p in params if p.grad is not None], *tensors_of(state), *model.buffers()]
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return [*params, *[p.grad for p in params if p.grad is not None], *tensors_of(state), *model.buffers()]
 
 
 def _ddp_bucket_bytes(trainer: pl.Trainer) -> int | None:

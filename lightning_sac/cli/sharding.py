@@ -20,11 +20,9 @@ from torch import nn
 
 from lightning_sac.cli.args import UsageError, notice
 from lightning_sac.dryrun import ModelProfile
-from lightning_sac.sharding import declared_layout, declared_tensor_parallel, declared_units
+from lightning_sac.sharding import DECLARED_STYLES, declared_layout, declared_tensor_parallel, declared_units
 
 __all__ = ["add_sharding_arguments", "check_units", "declare_units", "tensor_parallel_model"]
-
-_STYLES = ("colwise", "rowwise")
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +136,7 @@ def _tp_styles(args: Any, model: nn.Module) -> tuple[dict[str, str], str]:
         source = "the model's base_model_tp_plan"
     styles: dict[str, str] = {}
     for pattern, style in entries:
-        if style not in _STYLES:
+        if style not in DECLARED_STYLES:
             raise UsageError(
                 f"--tp: {pattern!r} is split {style!r} in {source}; AutoSAC models 'colwise' and 'rowwise' linears "
                 "(parallelize_module's ColwiseParallel() and RowwiseParallel()); give --tp-plan PATTERN=colwise or "

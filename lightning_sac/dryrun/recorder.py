@@ -264,8 +264,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         # The trace names the forward op that makes a storage (a plan recomputes it), asked only when one is made:
         # asking settles held-back views (op_graph.OpGraph), which must wait for the op that makes storage.
         # Ops SAC ignores, and parallelism's own (sharding.brackets), are numbered as none of a module's.
-        parallel = in_parallel_hook()
-        unnumbered = is_sac_ignored(func) or parallel
+        unnumbered = is_sac_ignored(func) or in_parallel_hook()
         trace = self.memory.trace if self.phase == "forward" and not unnumbered else None
         for i, t in enumerate(outputs):
             st = t.untyped_storage()

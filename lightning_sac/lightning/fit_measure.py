@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, record_function
 
 from lightning_sac.dryrun import (
@@ -61,15 +60,14 @@ def window_peak(events: list[tuple[int, int]], window: tuple[int, int], alive_at
 def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
     """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with, on this rank.
 
-    Under FSDP the rank holds shards: a ``DTensor``'s local tensor (FSDP2), FSDP1's flat shard (whose views the
-    wrapper's parameters are).
+    Under FSDP the rank holds shards: a ``DTensor``'s local tensor (FSDP2, which ``unique_bytes`` counts), FSDP1's
+    flat shard (whose views the wrapper's parameters are).
     """
     model = trainer.strategy.model or pl_module
     state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
     params = list(model.parameters())
     tensors = [*params, *model.buffers(), *tensors_of((batch, state)), *[p.grad for p in params if p.grad is not None]]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if isinstance(t, torch.Tensor)]
-    return unique_bytes(local)
+    return unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
 
 
 class StepMeasurement:

@@ -182,8 +182,8 @@ def profile_step(
         return dry_run(model, example_inputs, step, estimate=estimate, replace_existing=replace_existing)
 
     # A timed step calibrates each module on this host from its recorded inputs: only a whole dry run has them.
-    replicable = replicate and estimate != "benchmark" and wrapper is None and not is_sharded(model)
-    replicable = replicable and not tensor_parallel_modules(model)
+    replicable = replicate and estimate != "benchmark" and wrapper is None
+    replicable = replicable and not is_sharded(model) and not tensor_parallel_modules(model)
     run = (replicable and replicated_dry_run(model, whole)) or whole()
     profile = run.profile
     # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts

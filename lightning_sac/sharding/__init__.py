@@ -19,6 +19,7 @@ from lightning_sac.sharding.layout import (
     unsharded_structure,
 )
 from lightning_sac.sharding.tensor_parallel import (
+    DECLARED_STYLES,
     TensorParallelModule,
     check_tensor_parallel,
     declared_tensor_parallel,
@@ -29,6 +30,7 @@ from lightning_sac.sharding.tensor_parallel import (
 from lightning_sac.sharding.unsharded import unsharded_memo
 
 __all__ = [
+    "DECLARED_STYLES",
     "FSDPUnit",
     "ShardedLayout",
     "TensorParallelModule",

@@ -30,6 +30,7 @@ from lightning_sac.errors import ProfilingError
 from lightning_sac.sharding.brackets import enter_parallel_hook, exit_parallel_hook
 
 __all__ = [
+    "DECLARED_STYLES",
     "TensorParallelModule",
     "add_collective_stand_ins",
     "check_tensor_parallel",
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 _TP_CODE = "torch/distributed/tensor/"
+#: The styles :func:`declared_tensor_parallel` (the command line's ``--tp``) splits a linear by.
+DECLARED_STYLES = ("colwise", "rowwise")
 _SUPPORTED = ("ColwiseParallel", "RowwiseParallel")
 
 
@@ -211,7 +214,7 @@ def declared_tensor_parallel(model: nn.Module, styles: dict[str, str], size: int
     memo: dict[int, object] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     for fqn, style in styles.items():
         linear = modules.get(fqn)
-        if not isinstance(linear, nn.Linear) or style not in ("colwise", "rowwise"):
+        if not isinstance(linear, nn.Linear) or style not in DECLARED_STYLES:
             raise ValueError(
                 f"tensor parallelism of {fqn!r} as {style!r}: only linear layers (nn.Linear) split 'colwise' or "
                 f"'rowwise' are modelled, {fqn!r} is {type(linear).__name__ if linear is not None else 'no module'}"

@@ -36,6 +36,7 @@ from lightning_sac.dryrun.values.value_shapes import data_dependent_error
 from lightning_sac.errors import ProfilingError, user_source_line
 from lightning_sac.ops import (
     flat_tensors,
+    is_cached_cast,
     is_inplace,
     is_random,
     is_sac_ignored,
@@ -301,7 +302,9 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
                 view_like=view_like,
                 rand=rand,
                 inplace_parent=parent,
-                stateful=any(id(t.untyped_storage()) not in output_storages for t in written),
+                # A cast autocast's cache keeps is held whatever the plan does: it must stay saved, as a write does.
+                stateful=any(id(t.untyped_storage()) not in output_storages for t in written)
+                or is_cached_cast(func, args, out),
                 outputs=tuple(keys),
                 inputs=self.graph.makers(inputs, settle=not held_back),
                 storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),

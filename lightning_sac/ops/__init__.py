@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from lightning_sac.ops.aten import (
     flat_tensors,
+    is_cached_cast,
     is_inplace,
     is_random,
     is_sac_ignored,
@@ -21,6 +22,7 @@ from lightning_sac.ops.noise import MASKABLE_OPS, is_maskable, noise_mask
 __all__ = [
     "MASKABLE_OPS",
     "flat_tensors",
+    "is_cached_cast",
     "is_inplace",
     "is_maskable",
     "is_random",

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 __all__ = [
     "flat_tensors",
+    "is_cached_cast",
     "is_inplace",
     "is_random",
     "is_sac_ignored",
@@ -225,3 +226,19 @@ def flat_tensors(x: Any) -> list[torch.Tensor]:
                 out.extend(flat_tensors(item))
         return out
     return []
+
+
+def is_cached_cast(func: Any, args: tuple[Any, ...], out: Any) -> bool:
+    """Whether ``func`` is a cast that autocast's cache keeps until its outermost region exits.
+
+    With the cache on (``torch.autocast``'s default, and accelerate's, unlike Lightning's ``cache_enabled=False``),
+    autocast casts each weight once per region and keeps the cast (``cached_cast`` in ``autocast_mode.cpp``: an fp32
+    leaf that requires grad, not a view): a plan that recomputes such a cast frees nothing until the region ends, so
+    its output must stay saved. An explicit cast of a weight matching the same test is only saved needlessly.
+    """
+    if func is not aten._to_copy.default or not torch.is_autocast_cache_enabled() or not args:
+        return False
+    x = args[0]
+    low = isinstance(out, torch.Tensor) and out.dtype in (torch.float16, torch.bfloat16)
+    weight = isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.requires_grad and x.is_leaf
+    return low and weight and not x._is_view()

@@ -128,6 +128,7 @@ def profile_step(
     manual_step: ManualStep | None = None,
     wrapper: nn.Module | None = None,
     replicate: bool = True,
+    autocast_cache: bool = False,
 ) -> ModelProfile:
     """Profile a training step whose forward is ``compute_loss(model, example_inputs)``: the general form.
 
@@ -159,6 +160,9 @@ def profile_step(
             sharded model is profiled unsharded, and its units are read into :attr:`ModelProfile.sharded`.
         replicate: As for :func:`profile_model`. A sharded model, and a step timed on this host
             (``estimate="benchmark"``), are dry-run whole.
+        autocast_cache: With ``autocast_dtype``, whether the loop's autocast caches its casts of weights (the
+            default of ``torch.autocast``, accelerate's and Fabric's; Lightning's Trainer turns the cache off): a
+            cached cast lives until the region ends, so a plan keeps it saved.
 
     The profile's :attr:`~ModelProfile.input_signature` ends with the loop's settings where they differ from a
     plain step (:func:`~lightning_sac.dryrun.step.loop_signature`): a plan made for it is not reused for another.
@@ -175,6 +179,7 @@ def profile_step(
         lightning_order,
         accumulate_grad_batches=accumulate_grad_batches,
         manual=manual_step,
+        autocast_cache=autocast_cache,
         wrapper=wrapper,
     )
 

@@ -27,6 +27,7 @@ STAGES = (
     "profiling",
     "report",
     "lightning",
+    "integrations",
     "cli",
     "demos",
     "__init__",

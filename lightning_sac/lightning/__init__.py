@@ -1,13 +1,23 @@
 """The Lightning callback :class:`AutoSAC` and everything it does during a fit.
 
 Takes a ``Trainer`` and a ``LightningModule``; gives a fit whose steps run a plan for the budget: planned at fit
-start on rank 0, re-planned per batch shape, measured and logged.
+start on rank 0, re-planned per batch shape, measured and logged. The argument checks, the solve and the measured
+step's verdict are the integrations' too (:mod:`lightning_sac.integrations`).
 """
 
 from __future__ import annotations
 
+from lightning_sac.lightning.args import check_autosac_args
 from lightning_sac.lightning.callback import AutoSAC
+from lightning_sac.lightning.fit_measure import measured_timeline, measured_verdict
+from lightning_sac.lightning.fit_planning import own_checkpointing_message, plan_message, solve_or_minimum
 
 __all__ = [
     "AutoSAC",
+    "check_autosac_args",
+    "measured_timeline",
+    "measured_verdict",
+    "own_checkpointing_message",
+    "plan_message",
+    "solve_or_minimum",
 ]

@@ -26,8 +26,6 @@ _SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStra
 
 __all__ = ["check_autosac_args", "check_strategy"]
 
-_SUPPORTED = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy, FSDPStrategy)
-
 _ESTIMATES = ("roofline", "benchmark")
 
 

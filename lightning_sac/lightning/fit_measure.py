@@ -38,6 +38,8 @@ __all__ = [
     "compare_measured",
     "cuda_max_allocated",
     "logger_writer",
+    "measured_timeline",
+    "measured_verdict",
     "own_writer",
     "window_peak",
 ]
@@ -122,7 +124,7 @@ class StepMeasurement:
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
         device = str(trainer.strategy.root_device)
-        timeline = _timeline(prof, device, self._baseline)
+        timeline = measured_timeline(prof, device, self._baseline)
         kineto = prof.profiler.kineto_results.events()
         # Python events' names can be undecodable after a compile in the window (measure.event_name).
         marks = [e for e in kineto if not e.is_python_function() and event_name(e) == _WINDOW]
@@ -143,7 +145,7 @@ class StepMeasurement:
             self._profiler = None
 
 
-def _timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:
+def measured_timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:
     """The window's memory by category; uncategorized where torch's memory profiler cannot categorize it.
 
     ``torch.profiler._memory_profiler`` asserts on some steps' autograd graphs ("duplicate outputs" of an attention
@@ -171,17 +173,13 @@ def _timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:
     )
 
 
-def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
-    """Say on rank 0 whether the measured peak on the planned device stayed within the budget, in one line.
-
-    A warning when it did not: the plan did not hold.
-    """
+def measured_verdict(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> tuple[bool, str]:
+    """Whether a measured peak on the planned device went over the budget, and the line that says so."""
     if ("cuda" if target_is_cuda else "cpu") != device_type:
-        rank_zero_info(
+        return False, (
             f"AutoSAC planned for {plan.device} but trains on {device_type}: the measured peak "
             f"({measured_bytes / _GIB:.3f} GiB) is logged, not compared with the budget."
         )
-        return
     # On a GPU the budget also holds the CUDA context, NCCL and the allocator's slack (Plan.reserve), which no
     # allocation event shows: the device total is the measured tensors plus that reserve, as the plan states its peak.
     unit = plan_unit(plan, [measured_bytes])
@@ -190,16 +188,24 @@ def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_i
     figures = f"peak {device_peak(plan, measured_bytes, unit)}" + (f" ({note})" if note else "")
     figures += f", predicted {unit(plan.predicted_peak_bytes + reserve_bytes(plan))}"
     if total > plan.budget_bytes:
-        rank_zero_warn(
+        return True, (
             f"AutoSAC measured the first planned step: {figures}: OVER BUDGET by {unit(total - plan.budget_bytes)}. "
             "The plan did not take effect as planned or the estimate was wrong; lower the budget or check the "
             "warnings above."
         )
-    else:
-        rank_zero_info(
-            f"AutoSAC measured the first planned step: {figures}: within budget, "
-            f"{unit(plan.budget_bytes - total)} to spare."
-        )
+    return False, (
+        f"AutoSAC measured the first planned step: {figures}: within budget, {unit(plan.budget_bytes - total)} to "
+        "spare."
+    )
+
+
+def compare_measured(plan: Plan, measured_bytes: int, device_type: str, target_is_cuda: bool) -> None:
+    """Say on rank 0 whether the measured peak on the planned device stayed within the budget, in one line.
+
+    A warning when it did not: the plan did not hold.
+    """
+    over, message = measured_verdict(plan, measured_bytes, device_type, target_is_cuda)
+    (rank_zero_warn if over else rank_zero_info)(message)
 
 
 def cuda_max_allocated(trainer: pl.Trainer) -> int | None:

@@ -27,7 +27,9 @@ from lightning_sac.errors import LightningSACError, ProfilingError
 BUDGET_BOUND = 0.02  # the issue's: a planned step's measured peak at most 2% above the budget
 
 
-def _hf_fit(out: str, callbacks: list[Any], *, bf16: bool, k: int, train: bool = True) -> tuple[Any, LoopPeaks]:
+def _hf_fit(
+    out: str, callbacks: list[Any], *, bf16: bool, k: int, train: bool = True, steps: int = 2
+) -> tuple[Any, LoopPeaks]:
     from transformers import Trainer, TrainingArguments
 
     model, peaks = hf_llama(), LoopPeaks()
@@ -36,7 +38,7 @@ def _hf_fit(out: str, callbacks: list[Any], *, bf16: bool, k: int, train: bool =
         per_device_train_batch_size=4,
         gradient_accumulation_steps=k,
         bf16=bf16,
-        max_steps=3,
+        max_steps=steps,
         use_cpu=True,
         report_to="none",
         logging_steps=1,
@@ -82,27 +84,31 @@ def test_hf_trainer_plan_keeps_the_budget_and_the_losses(hf_plain, tmp_path):
     assert max(peaks.peaks[1:]) <= budget * (1 + BUDGET_BOUND), (peaks.peaks, budget)
     # The prediction is of the step as the Trainer runs it: within 1% of the measured (8 bytes apart when written).
     assert abs(sac.plan.predicted_peak_bytes / max(peaks.peaks[1:]) - 1) < 0.01
-    assert _losses(planned) == _losses(plain) and len(_losses(plain)) == 3
+    assert _losses(planned) == _losses(plain) and len(_losses(plain)) == 2
     assert _equal_weights(planned.model, plain.model)
     assert _unwrapped(planned.model), "the model gets its own forwards back at the end of training"
 
 
-def test_hf_callback_measures_its_planned_step(hf_plain, tmp_path):
+def test_hf_callback_measures_its_planned_step_and_replaces_the_model_s_checkpointing(hf_plain, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
     from lightning_sac.integrations.hf import AutoSACCallback
 
     budget = int(0.8 * max(hf_plain[1].peaks[1:]))
-    sac = AutoSACCallback(budget_gb=budget / 2**30, measure=True, log_figures=False)
-    from transformers import Trainer, TrainingArguments
-
+    # The model checkpoints its layers itself (the Trainer's gradient_checkpointing=True): the plan replaces that.
+    sac = AutoSACCallback(budget_gb=budget / 2**30, measure=True, log_figures=False, replace_existing=True)
     args = TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, bf16=True,
         max_steps=2, use_cpu=True, report_to="tensorboard", save_strategy="no", seed=0, disable_tqdm=True,
+        gradient_checkpointing=True,
     )  # fmt: skip
-    Trainer(model=hf_llama(), args=args, train_dataset=TokenDataset(), callbacks=[sac]).train()
-    assert sac.measured is not None and sac.plan is not None
+    model = hf_llama()
+    Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[sac]).train()
+    assert sac.measured is not None and sac.plan is not None and sac.plan.replaces_checkpointing
     # Its own measurement of the second optimizer step agrees with the prediction as the outside one does.
     assert abs(sac.measured.peak_bytes / sac.plan.predicted_peak_bytes - 1) < 0.01
     assert sac.measured.peak_bytes <= budget * (1 + BUDGET_BOUND)
+    assert model.is_gradient_checkpointing and _unwrapped(model), "the model's own checkpointing is back"
     events = list((tmp_path / "runs" / "lightning_sac").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0, "report_to='tensorboard': the plan's panels are written"
 
@@ -140,7 +146,34 @@ def test_hf_model_that_cannot_be_dry_run_stops_before_training_untouched(tmp_pat
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and _unwrapped(model)
 
 
-def _fabric_loop(budget: int | None, precision: str, k: int, devices: int = 1) -> tuple[list[int], list[float], Any]:
+def test_hf_trainer_with_its_own_compute_loss_is_dry_run_through_it(tmp_path):
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import Trainer, TrainingArguments
+
+    from lightning_sac.integrations.hf import AutoSACCallback
+
+    fake_calls: list[bool] = []
+
+    class OwnLoss(Trainer):  # next-token loss from the logits: the batch has no labels
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+            fake_calls.append(isinstance(next(model.parameters()), FakeTensor))
+            logits = model(input_ids=inputs["input_ids"]).logits
+            targets = inputs["input_ids"][:, 1:].flatten()
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, use_cpu=True,
+                             report_to="none", save_strategy="no", disable_tqdm=True)  # fmt: skip
+    sac = AutoSACCallback(budget_gb=1.0, report_only=True)
+    trainer = OwnLoss(model=hf_llama(), args=args, train_dataset=_NoLabels(), callbacks=[sac])
+    sac.trainer = trainer
+    trainer.train()
+    assert fake_calls[0] and sac.profile is not None and sac.plan is not None  # the dry run ran its compute_loss
+    assert fake_calls[-1] is False and trainer.state.global_step == 1
+
+
+def _fabric_loop(
+    budget: int | None, precision: str, k: int, devices: int = 1, steps: int = 2
+) -> tuple[list[int], list[float], Any]:
     import lightning as L
 
     from lightning_sac.integrations.fabric import plan_and_apply
@@ -160,7 +193,7 @@ def _fabric_loop(budget: int | None, precision: str, k: int, devices: int = 1) -
         )
     peaks, losses = LoopPeaks(), []
     peaks.start()
-    for step in range(3):
+    for step in range(steps):
         peaks.step_begin(model.module, optimizer, model._forward_module)
         for j in range(k):
             loss = llama_loss(model, data[(step * k + j) % len(data)]) / k
@@ -206,23 +239,23 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
     from lightning_sac.integrations.hf import AutoSACCallback
 
     result: dict[str, Any] = {}
-    plain, plain_peaks = _hf_fit(os.path.join(out, "plain"), [], bf16=False, k=1)
+    plain, plain_peaks = _hf_fit(os.path.join(out, "plain"), [], bf16=False, k=1, steps=3)
     peak = torch.tensor(plain_peaks.peaks[2])  # the third step (see the test below)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     budget = int(0.8 * int(peak))
     sac = AutoSACCallback(budget_gb=budget / 2**30, measure=False)
-    planned, peaks = _hf_fit(os.path.join(out, "planned"), [sac], bf16=False, k=1)
+    planned, peaks = _hf_fit(os.path.join(out, "planned"), [sac], bf16=False, k=1, steps=3)
     assert sac.plan is not None
     result["hf"] = {
         "budget": budget, "peaks": peaks.peaks, "predicted": sac.plan.predicted_peak_bytes,
         "equal": _losses(planned) == _losses(plain) and _equal_weights(planned.model, plain.model),
         "plan": sac.plan.to_json(), "unwrapped": _unwrapped(planned.model),
     }  # fmt: skip
-    fabric_plain, plain_losses, (_, plain_model) = _fabric_loop(None, "32-true", 1, devices=2)
+    fabric_plain, plain_losses, (_, plain_model) = _fabric_loop(None, "32-true", 1, devices=2, steps=3)
     peak = torch.tensor(fabric_plain[2])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     budget = int(0.8 * int(peak))
-    fabric_peaks, losses, (handle, model) = _fabric_loop(budget, "32-true", 1, devices=2)
+    fabric_peaks, losses, (handle, model) = _fabric_loop(budget, "32-true", 1, devices=2, steps=3)
     result["fabric"] = {
         "budget": budget, "peaks": fabric_peaks, "predicted": handle.plan.predicted_peak_bytes,
         "equal": losses == plain_losses and _equal_weights(model, plain_model), "plan": handle.plan.to_json(),

@@ -172,14 +172,14 @@ def test_a_step_torch_cannot_categorize_is_measured_uncategorized(monkeypatch: A
     x = torch.randn(16, 32)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         model(x).square().sum().backward()
-    categorized = fit_measure_module._timeline(prof, "cpu", 1000)
+    categorized = fit_measure_module.measured_timeline(prof, "cpu", 1000)
 
     def asserting(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("duplicate outputs: ScaledDotProductFlashAttentionForCpuBackward0 {...}")
 
     monkeypatch.setattr(fit_measure_module, "memory_timeline", asserting)
     with pytest.warns(UserWarning, match=r"could not categorize the measured step's memory \(AssertionError: dupl"):
-        fallback = fit_measure_module._timeline(prof, "cpu", 1000)
+        fallback = fit_measure_module.measured_timeline(prof, "cpu", 1000)
     assert fallback.peak_bytes == categorized.peak_bytes > 1000
     assert max(fallback.by_category["unknown"]) == fallback.peak_bytes
     assert not any(any(v) for c, v in fallback.by_category.items() if c != "unknown")

@@ -24,7 +24,7 @@ from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun import placeholder_message
 from lightning_sac.errors import ProfilingError
 from lightning_sac.integrations.planner import LoopStep, PlanSettings, plan_for_step, plan_on_rank_zero
-from lightning_sac.lightning import check_autosac_args, own_checkpointing_message, plan_message
+from lightning_sac.lightning import own_checkpointing_message, plan_message
 
 __all__ = ["plan_and_apply"]
 
@@ -99,20 +99,11 @@ def plan_and_apply(
         BudgetError: The budget is below the reachable minimum (``strict=True``); nothing is applied.
         LightningSACError: Planning failed on global rank 0 (raised on the other ranks).
     """
-    check_autosac_args(
-        budget_gb=budget_gb,
-        budget_fraction=budget_fraction,
-        device=device,
-        estimate=estimate,
-        candidates=candidates,
-        backend=backend,
-        n_segments=n_segments,
-        solver_time_limit_s=solver_time_limit_s,
-        plan_path=None,
-        flags={"strict": strict, "replace_existing": replace_existing},
-        example_batch=example_batch,
-        example_batch_fn=None,
-    )
+    settings = PlanSettings(
+        budget_gb, budget_fraction, device, estimate, candidates, backend, n_segments, solver_time_limit_s, strict,
+        replace_existing,
+    )  # fmt: skip
+    settings.check({}, example_batch)
     if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
         raise TypeError(f"plan_and_apply: accumulate_grad_batches must be an int, got {accumulate_grad_batches!r}.")
     if accumulate_grad_batches < 1:
@@ -120,10 +111,6 @@ def plan_and_apply(
     if not callable(step_fn):
         raise TypeError(f"plan_and_apply: step_fn must be a function step_fn(model, batch) -> loss, got {step_fn!r}.")
     _check_strategy(fabric)
-    settings = PlanSettings(
-        budget_gb, budget_fraction, device, estimate, candidates, backend, n_segments, solver_time_limit_s, strict,
-        replace_existing,
-    )  # fmt: skip
     module, runs = _module_of(model)
     precision = fabric.strategy.precision
     # Fabric's mixed precision autocasts the forward (torch.autocast's defaults: casts of weights cached).

@@ -35,7 +35,7 @@ from lightning_sac.dryrun import MemoryTimeline, ModelProfile, placeholder_messa
 from lightning_sac.errors import ProfilingError
 from lightning_sac.integrations.measure import LoopMeasurement
 from lightning_sac.integrations.planner import LoopStep, PlanSettings, first_batch, plan_for_step, plan_on_rank_zero
-from lightning_sac.lightning import check_autosac_args, measured_verdict, own_checkpointing_message, plan_message
+from lightning_sac.lightning import measured_verdict, own_checkpointing_message, plan_message
 from lightning_sac.plan import Plan
 from lightning_sac.report import PeakSeries
 
@@ -131,26 +131,12 @@ class AutoSACCallback(TrainerCallback):
         report_only: bool = False,
         trainer: Any = None,
     ) -> None:
-        flags: dict[str, object] = {"strict": strict, "log_figures": log_figures, "measure": measure}
-        flags |= {"replace_existing": replace_existing, "report_only": report_only}
-        check_autosac_args(
-            budget_gb=budget_gb,
-            budget_fraction=budget_fraction,
-            device=device,
-            estimate=estimate,
-            candidates=candidates,
-            backend=backend,
-            n_segments=n_segments,
-            solver_time_limit_s=solver_time_limit_s,
-            plan_path=None,
-            flags=flags,
-            example_batch=example_batch,
-            example_batch_fn=None,
-        )
         self.settings = PlanSettings(
             budget_gb, budget_fraction, device, estimate, candidates, backend, n_segments, solver_time_limit_s, strict,
             replace_existing,
         )  # fmt: skip
+        flags = {"log_figures": log_figures, "measure": measure, "report_only": report_only}
+        self.settings.check(flags, example_batch)
         self.example_batch = example_batch
         self.log_figures = log_figures
         self.measure = measure

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, record_function
 
-from lightning_sac.dryrun import MemoryTimeline, QuietProfile, event_name, peak_from_events, tensors_of, unique_bytes
-from lightning_sac.lightning import measured_timeline
+from lightning_sac.dryrun import MemoryTimeline, QuietProfile, tensors_of, unique_bytes
+from lightning_sac.lightning import window_timeline
 
 __all__ = ["LoopMeasurement"]
 
@@ -92,14 +92,7 @@ class LoopMeasurement:
         prof.__exit__(None, None, None)
         baseline = unique_bytes([*self._state, *self._batch])
         self._state, self._batch = [], []
-        timeline = measured_timeline(prof, device, baseline)
-        marks = [e for e in prof.profiler.kineto_results.events() if not e.is_python_function()]
-        marks = [e for e in marks if event_name(e) == _WINDOW]
-        if not marks:
-            raise RuntimeError(f"the profile holds no {_WINDOW!r} range")
-        lo, hi = marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns()
-        timeline.peak_bytes = peak_from_events([e for e in timeline.events if lo <= e[0] <= hi], baseline).peak_bytes
-        return timeline
+        return window_timeline(prof, device, baseline, _WINDOW)
 
     def abandon(self, failed: bool = False) -> None:
         """Stop profiling without a result (training ended, or the measurement failed: then it is not retried)."""

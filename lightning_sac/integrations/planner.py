@@ -9,7 +9,7 @@ same plan (or the same error) through the loop's own broadcast.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch import nn
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.errors import LightningSACError, ProfilingError
-from lightning_sac.lightning import solve_or_minimum
+from lightning_sac.lightning import check_autosac_args, solve_or_minimum
 from lightning_sac.plan import Plan
 from lightning_sac.profiling import profile_step
 
@@ -42,6 +42,28 @@ class PlanSettings:
     solver_time_limit_s: float = 30.0
     strict: bool = True
     replace_existing: bool = False
+
+    def check(self, flags: Mapping[str, object], example_batch: Any) -> None:
+        """Check every argument as AutoSAC does (``flags``: the caller's boolean ones), before anything runs.
+
+        Raises:
+            TypeError: An argument of the wrong type.
+            ValueError: A value out of range, an unknown name, or a combination that is not allowed.
+        """
+        check_autosac_args(
+            budget_gb=self.budget_gb,
+            budget_fraction=self.budget_fraction,
+            device=self.device,
+            estimate=self.estimate,
+            candidates=self.candidates,
+            backend=self.backend,
+            n_segments=self.n_segments,
+            solver_time_limit_s=self.solver_time_limit_s,
+            plan_path=None,
+            flags={"strict": self.strict, "replace_existing": self.replace_existing, **flags},
+            example_batch=example_batch,
+            example_batch_fn=None,
+        )
 
     def target(self, device: torch.device) -> DeviceSpec:
         """The device planned for: the one named, else the loop's own (its real properties on CUDA)."""

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from lightning_sac.lightning.args import check_autosac_args
 from lightning_sac.lightning.callback import AutoSAC
-from lightning_sac.lightning.fit_measure import measured_timeline, measured_verdict
+from lightning_sac.lightning.fit_measure import measured_verdict, window_timeline
 from lightning_sac.lightning.fit_planning import own_checkpointing_message, plan_message, solve_or_minimum
 
 __all__ = [
     "AutoSAC",
     "check_autosac_args",
-    "measured_timeline",
     "measured_verdict",
     "own_checkpointing_message",
     "plan_message",
     "solve_or_minimum",
+    "window_timeline",
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "measured_verdict",
     "own_writer",
     "window_peak",
+    "window_timeline",
 ]
 
 _GIB = 2**30
@@ -123,16 +124,7 @@ class StepMeasurement:
         self._window = None
         prof, self._profiler = self._profiler, None
         prof.__exit__(None, None, None)
-        device = str(trainer.strategy.root_device)
-        timeline = measured_timeline(prof, device, self._baseline)
-        kineto = prof.profiler.kineto_results.events()
-        # Python events' names can be undecodable after a compile in the window (measure.event_name).
-        marks = [e for e in kineto if not e.is_python_function() and event_name(e) == _WINDOW]
-        if not marks:
-            raise RuntimeError(f"the profile holds no {_WINDOW!r} range")
-        window = (marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns())
-        timeline.peak_bytes = window_peak(timeline.events, window, self._baseline)
-        return timeline
+        return window_timeline(prof, str(trainer.strategy.root_device), self._baseline, _WINDOW)
 
     def abandon(self, failed: bool = False) -> None:
         """Stop profiling without a result (``fit`` ended, or the measurement failed: then it is not retried)."""
@@ -143,6 +135,23 @@ class StepMeasurement:
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
             self._profiler = None
+
+
+def window_timeline(prof: Any, device: str, baseline: int, window_name: str) -> MemoryTimeline:
+    """The memory of a finished profile, its peak that of the ``record_function(window_name)`` range in it.
+
+    Raises:
+        RuntimeError: The profile holds no such range.
+    """
+    timeline = measured_timeline(prof, device, baseline)
+    kineto = prof.profiler.kineto_results.events()
+    # Python events' names can be undecodable after a compile in the window (measure.event_name).
+    marks = [e for e in kineto if not e.is_python_function() and event_name(e) == window_name]
+    if not marks:
+        raise RuntimeError(f"the profile holds no {window_name!r} range")
+    window = (marks[0].start_ns(), marks[0].start_ns() + marks[0].duration_ns())
+    timeline.peak_bytes = window_peak(timeline.events, window, baseline)
+    return timeline
 
 
 def measured_timeline(prof: Any, device: str, baseline: int) -> MemoryTimeline:

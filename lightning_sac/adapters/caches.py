@@ -127,13 +127,16 @@ def without_kv_caches(
         if call.holds_tokens:
             return call  # the caller runs such a call as it is, unplanned
     # use_cache is switched off when it was on, or left to a config that turns it on (Hugging Face's default).
+    # A call that leaves it to a config that turns it off stays as it is: passing False instead of None can change
+    # what the module passes on (T5 passes None to its decoder, whose own config copy turns caches on), and the
+    # dry run must run the calls the plain step runs.
     if "use_cache" in kwargs or _takes_use_cache(type(module)):
         value = kwargs.get("use_cache")
         if value is None:
             value = getattr(getattr(module, "config", None), "use_cache", True)
         if value is not False:
             call.switched_off.append("use_cache")
-        call.kwargs["use_cache"] = False
+            call.kwargs["use_cache"] = False
     call.switched_off += sorted(caches)
     call.args = tuple(None if f"argument {i}" in caches else v for i, v in enumerate(args))
     call.kwargs.update(dict.fromkeys(caches.keys() & kwargs.keys()))

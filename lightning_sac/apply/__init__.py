@@ -76,7 +76,8 @@ def _said_caches_off(notices: Notices, fqn: str, call: CacheCall) -> None:
         f"(module {fqn or '<root>'!r} was called with {' and '.join(call.switched_off)} on), as Hugging Face's "
         "gradient checkpointing does: recomputing a layer would update its cache a second time, and the plan was "
         "profiled so. The loss is the same; the model returns no cache in training. Set "
-        "model.config.use_cache = False to silence this. (Warned once.)",
+        f"{'.'.join(['model', *fqn.split('.')]) if fqn else 'model'}.config.use_cache = False to silence this "
+        "(a submodule's config can be a copy of the model's). (Warned once.)",
     )
 
 

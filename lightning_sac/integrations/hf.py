@@ -13,6 +13,7 @@ plan's panels and the measured step are written beside the Trainer's own events,
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -47,8 +48,27 @@ logger = logging.get_logger("transformers.lightning_sac")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether the Trainer passes ``num_items_in_batch`` to ``model``'s forward (its test, ``Trainer.__init__``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper: the model it wraps
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def num_items_in_batch(batch: Any) -> torch.Tensor | None:
+    """What the Trainer passes as ``num_items_in_batch`` for a batch with labels: a float scalar on its device.
+
+    Its value (the label tokens of the accumulation cycle) changes no tensor's size; the argument's presence does
+    change the code path of some models (T5 builds its cross-attention cache with it), so the dry run passes it.
+    """
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    return labels.ne(-100).sum() / 1 if isinstance(labels, torch.Tensor) else None
+
+
 def model_output_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The Trainer's default loss: ``model(**batch)``'s ``loss``.
+    """The Trainer's default loss: ``model(**batch)``'s ``loss``, with ``num_items_in_batch`` where it passes one.
 
     Raises:
         ProfilingError: The batch is not a mapping, or the model returned no loss.
@@ -58,7 +78,8 @@ def model_output_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
             f"AutoSACCallback dry-runs model(**batch) as the Trainer does, but the batch is a {type(batch).__name__}, "
             "not a dict; pass trainer=trainer if your Trainer computes its loss otherwise."
         )
-    out = model(**batch)
+    items = num_items_in_batch(batch) if accepts_loss_kwargs(model) else None
+    out = model(**batch) if items is None else model(**batch, num_items_in_batch=items)
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
     if not isinstance(loss, torch.Tensor):
         raise ProfilingError(
@@ -236,7 +257,13 @@ class AutoSACCallback(TrainerCallback):
         if self.trainer is None:
             return model_output_loss
         trainer = self.trainer
-        return lambda model, batch: trainer.compute_loss(model, batch)
+
+        def compute_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            count = trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None
+            items = num_items_in_batch(batch) if count else None
+            return trainer.compute_loss(model, batch, num_items_in_batch=items)
+
+        return compute_loss
 
     def _make_plan(self, model: torch.nn.Module, batch: Any, step: LoopStep, args: TrainingArguments) -> Plan | None:
         try:

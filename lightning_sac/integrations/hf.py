@@ -50,7 +50,8 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
     """Whether the Trainer passes ``num_items_in_batch`` to ``model``'s forward (its test, ``Trainer.__init__``)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper: the model it wraps
+    unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper: the Trainer asks the model it wraps
+    base = unwrap() if callable(unwrap) else model
     if hasattr(base, "accepts_loss_kwargs"):
         return bool(base.accepts_loss_kwargs)
     params = inspect.signature(base.forward).parameters.values()
@@ -178,7 +179,6 @@ class AutoSACCallback(TrainerCallback):
         """Plan on process 0, hand every process the plan, apply it."""
         _check_launch(args)
         model, optimizer = kwargs["model"], kwargs.get("optimizer")
-        batch = self.example_batch if self.example_batch is not None else first_batch(kwargs.get("train_dataloader"))
         step = LoopStep(
             self._compute_loss(),
             optimizer,
@@ -190,7 +190,13 @@ class AutoSACCallback(TrainerCallback):
             share=() if self.trainer is None else (self.trainer,),
         )
         rank_zero = args.process_index == 0
-        self.plan = plan_on_rank_zero(rank_zero, lambda: self._make_plan(model, batch, step, args), _broadcast)
+        loader = kwargs.get("train_dataloader")
+
+        def make() -> Plan | None:  # on process 0 alone: the others take no batch and wait for its plan
+            batch = self.example_batch if self.example_batch is not None else first_batch(loader)
+            return self._make_plan(model, batch, step, args)
+
+        self.plan = plan_on_rank_zero(rank_zero, make, _broadcast)
         self._peaks = PeakSeries()
         if self.plan is None:
             return

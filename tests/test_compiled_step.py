@@ -22,11 +22,11 @@ from test_callback import trainer
 from lightning_sac import AutoSAC
 
 GIB = 2**30
-VOCAB, BATCH, SEQ = 512, 4, 128
+VOCAB, BATCH, SEQ = 512, 8, 128
 
 
 class CompiledLlama(pl.LightningModule):
-    """A two-layer Llama (GQA 8/4), compiled with torch.compile's default backend, trained with AdamW."""
+    """A one-layer Llama (GQA 8/4), compiled with torch.compile's default backend, trained with AdamW."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,7 +37,7 @@ class CompiledLlama(pl.LightningModule):
             vocab_size=VOCAB,
             hidden_size=128,
             intermediate_size=384,
-            num_hidden_layers=2,
+            num_hidden_layers=1,
             num_attention_heads=8,
             num_key_value_heads=4,
             max_position_embeddings=SEQ,

@@ -7,7 +7,7 @@ wrapper inductor generates around its kernels (``call(args)``): every buffer is 
 ``del``; the graph's inputs are handed over in a list it clears, so a saved tensor is freed at its last use. This
 module replays those statements, counting storages, on the wrapper's text and the buffers' sizes. Walking the aten
 graph instead cannot see inductor's choices: its fused kernels write several outputs at once, and its scheduler
-orders the kernels; on the two-layer Llama of ``tests/test_compiled_step.py`` with a plan of recomputed MLPs, a walk
+orders the kernels; on a two-layer Hugging Face Llama (d=128, batch 4 x 128) with a plan of recomputed MLPs, a walk
 of the partitioned aten graph with inductor's fusion rules approximated read 9% below the measured peak, where the
 replayed wrapper is within 0.5%.
 """

@@ -8,8 +8,11 @@ and the largest solver budget whose compiled prediction stays within the real bu
 peak is the larger of the forward and backward (the bytes resident at the step's start, read from the profile,
 plus what the traced graphs hold) and the optimizer step, which runs eagerly and is the profile's own.
 
-Each round costs one solve and one trace (dynamo, AOT autograd and the partitioner on fake tensors, no code
-generation): about 5 s for a two-layer Hugging Face Llama on two CPU cores.
+Each round costs one solve and one trace (dynamo, AOT autograd and inductor up to its wrapper code on fake
+tensors, no C++ compiled), and a search traces the plain step and one to six plans. Measured on two CPU cores: a
+trace takes about 9 s for a one-layer Hugging Face Llama and 23 s for a four-layer one (d=256, batch 8 x 256),
+whose inductor compile takes 41-68 s; its search traced six plans in 163 s and landed 1.4% below the budget, its
+prediction 0.01% from the measured peak.
 """
 
 from __future__ import annotations

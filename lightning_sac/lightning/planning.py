@@ -178,7 +178,7 @@ class PlanningMixin:
                 n_segments=self.n_segments,
                 time_limit_s=self.solver_time_limit_s,
                 backend=self.backend,
-                refine=False,  # the partitioner places the recompute (see below), and each plan is traced
+                refine=False,  # as for any compiled fit (below): each plan is traced instead
                 masks=False,
             )
 

@@ -159,9 +159,11 @@ def _next_budget(plan: Plan, peak: int, aim: int, fits: int | None, over: int | 
     kept strictly between the highest solver budget known to fit and the lowest known not to (halfway when outside).
     """
     guess = aim - (peak - plan.predicted_peak_bytes)
-    low = fits if fits is not None else 0
-    if over is not None and not low < guess < over:
-        guess = (low + over) // 2
+    if over is not None and guess >= over:
+        # Past a budget known not to fit: halfway to the one known to fit, or below by the miss.
+        guess = (fits + over) // 2 if fits is not None else over - (peak - aim)
+    elif fits is not None and guess <= fits:
+        guess = (fits + over) // 2 if over is not None else fits + (aim - peak)
     return guess
 
 

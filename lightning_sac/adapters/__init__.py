@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from lightning_sac.adapters.caches import CacheCall, CacheSwitch, is_kv_cache, layer_indices, without_kv_caches
 from lightning_sac.adapters.checkpoint import sac_sees_outputs
-from lightning_sac.adapters.compiled import compiled_parts, profiles_uncompiled, traced_module, uncompiled
+from lightning_sac.adapters.compiled import (
+    compile_backends,
+    compiled_parts,
+    profiles_uncompiled,
+    traced_module,
+    uncompiled,
+)
 
 __all__ = [
     "CacheCall",
     "CacheSwitch",
+    "compile_backends",
     "compiled_parts",
     "is_kv_cache",
     "layer_indices",

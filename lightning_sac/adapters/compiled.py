@@ -27,7 +27,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["compiled_parts", "profiles_uncompiled", "traced_module", "uncompiled"]
+__all__ = ["compile_backends", "compiled_parts", "profiles_uncompiled", "traced_module", "uncompiled"]
 
 #: The methods Lightning's ``from_compiled`` replaces by compiled ones (``lightning.pytorch.utilities.compile``).
 _LIGHTNING_COMPILED = ("forward", "training_step", "validation_step", "test_step", "predict_step")
@@ -64,6 +64,36 @@ def compiled_parts(model: nn.Module) -> list[str]:
         elif module.__dict__.get("_compiled_call_impl") is not None:
             parts.append(f"{fqn or '<root>'} (module.compile())")
     return parts
+
+
+def _backend_name(ctx: Any) -> str:
+    """The backend of a dynamo ``OptimizeContext``: ``"inductor"``, a registered backend's name, or its repr."""
+    backend = ctx.callback
+    # dynamo wraps the backend in its frame converters, each keeping the one inside.
+    while (
+        inner := getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "_inner_convert", None)
+    ) is not None:
+        backend = inner
+    if isinstance(backend, torch._TorchCompileInductorWrapper):
+        return "inductor"
+    return str(getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None) or backend)
+
+
+def compile_backends(model: nn.Module) -> list[str]:
+    """The ``torch.compile`` backend of each part of ``model`` that is compiled (see :func:`compiled_parts`)."""
+    optimized = _optimized_module_type()
+    contexts = []
+    ctx = getattr(model, "_compiler_ctx", None)
+    if isinstance(ctx, dict) and ctx.get("dynamo_ctx") is not None:
+        contexts.append(ctx["dynamo_ctx"])
+    for module in model.modules():
+        if optimized is not None and isinstance(module, optimized):
+            contexts.append(module.dynamo_ctx)
+        elif (impl := module.__dict__.get("_compiled_call_impl")) is not None:
+            # module.compile() keeps torch.compile's function, whose closure holds its context.
+            cells = [c.cell_contents for c in impl.__closure__ or ()]
+            contexts.extend(c for c in cells if hasattr(c, "callback"))
+    return [_backend_name(c) for c in contexts]
 
 
 @contextmanager

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sac.adapters import CacheCall, CacheSwitch, traced_module
+from lightning_sac.apply.compiled_trace import CompiledStepMemory, compiled_step_memory
 from lightning_sac.apply.fsdp_hooks import bracket_fsdp_units
 from lightning_sac.apply.planned import Notices
 from lightning_sac.apply.sac import SelectiveCheckpointForward, runs_whole, whole_checkpoints
@@ -24,7 +25,14 @@ if TYPE_CHECKING:
     from lightning_sac.plan import Plan
 
 
-__all__ = ["PlanHandle", "apply_plan", "runs_whole", "whole_checkpoints"]
+__all__ = [
+    "CompiledStepMemory",
+    "PlanHandle",
+    "apply_plan",
+    "compiled_step_memory",
+    "runs_whole",
+    "whole_checkpoints",
+]
 
 
 @dataclass

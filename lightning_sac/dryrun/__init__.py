@@ -17,6 +17,7 @@ from lightning_sac.dryrun.data import (
     TimelineEvent,
     peak_location,
 )
+from lightning_sac.dryrun.emulation import fake_copy
 from lightning_sac.dryrun.measured import (
     TIMELINE_CATEGORIES,
     MemoryTimeline,
@@ -50,6 +51,7 @@ from lightning_sac.dryrun.values.moe_routing import routing_bound_bytes
 from lightning_sac.dryrun.values.placeholders import placeholder_message
 
 __all__ = [
+    "fake_copy",
     "AllocationTrace",
     "Replayed",
     "needed_reserved",

@@ -20,6 +20,7 @@ from lightning_sac.adapters import compiled_parts
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.dryrun import ModelProfile, fingerprint_of, loop_signature, placeholder_message, tensors_of
 from lightning_sac.errors import ProfilingError
+from lightning_sac.lightning.compiled_budget import inductor_fit, lightning_step_tracer, plan_compiled
 from lightning_sac.lightning.fit_planning import (
     first_training_batch,
     own_checkpointing_message,
@@ -29,6 +30,7 @@ from lightning_sac.lightning.fit_planning import (
 from lightning_sac.lightning.fit_step import FitStepSettings, profile_lightning_step
 from lightning_sac.plan import Plan
 from lightning_sac.sharding import is_sharded
+from lightning_sac.solver import solve_plan
 
 __all__ = ["PlanningMixin"]
 
@@ -138,6 +140,8 @@ class PlanningMixin:
         if len(tensors_of(batch)) == 0:
             warnings.warn("AutoSAC's example batch holds no tensors.", stacklevel=2)
 
+        if inductor_fit(trainer, pl_module):
+            return self._compiled_plan(trainer, pl_module, batch, profile, budget)
         return solve_or_minimum(
             profile,
             budget,
@@ -155,3 +159,40 @@ class PlanningMixin:
             # A traced region cannot copy masks back in its recompute: compiled fits redraw their dropout noise.
             masks=not compiled_parts(pl_module),
         )
+
+    def _compiled_plan(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, profile: ModelProfile, budget: float
+    ) -> Plan:
+        """The plan for a step inductor compiles, landed on the budget by the compiled step's own memory.
+
+        The solver ranks with the eager profile; the budget it is given is searched until the compiled step, traced
+        with the plan applied, is predicted within the real one (:mod:`lightning_sac.lightning.compiled_budget`).
+        """
+
+        def solve(solver_bytes: int) -> Plan:
+            return solve_plan(
+                profile,
+                solver_bytes / _GIB,
+                world_size=1,
+                candidates=self.candidates,
+                n_segments=self.n_segments,
+                time_limit_s=self.solver_time_limit_s,
+                backend=self.backend,
+                refine=False,  # as for any compiled fit (below): each plan is traced instead
+                masks=False,
+            )
+
+        plan, search = plan_compiled(
+            profile, int(budget * _GIB), solve, lightning_step_tracer(trainer, pl_module, batch), strict=self.strict
+        )
+        rank_zero_info(
+            f"AutoSAC: the compiled step (inductor) is predicted at {search.plain_peak_bytes / 2**20:.1f} MiB without "
+            f"a plan, {plan.predicted_peak_bytes / 2**20:.1f} MiB with it ({len(search.rounds)} plans traced in "
+            f"{search.trace_s:.1f} s)."
+        )
+        if not search.fits:
+            rank_zero_warn(
+                f"AutoSAC: no plan traced for the compiled step is predicted within the budget of {budget:g} GiB; "
+                "strict=False: applying the lowest one."
+            )
+        return plan

@@ -1,9 +1,9 @@
 """Shared test models: a small GPT with dropout, an MLP and a conv net, each with inputs and a loss.
 
-Two tiers. ``python -m pytest -q`` runs the quick tier (pyproject's ``addopts`` deselects ``slow``): every
-module's behaviour on small models, in at most 5 minutes on 2 cores. ``python -m pytest -q -m slow`` runs the
-matrix tier; ``.ci/run`` runs both. A new test is quick unless it needs more than one process (world size 2 or
-4, a fresh interpreter, the installed entry point), the inductor compile, or a real-model fit of more than about
+Two tiers. ``python -m pytest -q -n 2`` runs the quick tier (pyproject's ``addopts`` deselects ``slow``) on both
+cores: every module's behaviour on small models, in at most 5 minutes on 2 cores. ``python -m pytest -q -m slow``
+runs the matrix tier; ``.ci/run`` runs both. A new test is quick unless it needs more than one process (world size 2
+or 4, a fresh interpreter, the installed entry point), the inductor compile, or a real-model fit of more than about
 10 s here that a quick test of the same behaviour already covers: then mark it ``@pytest.mark.slow``. Before
 marking, make it cheaper: a session- or module-scoped fixture for a profile that tests only read, shapes no
 larger than the assertion needs, in-process calls rather than subprocesses, no sleeps. No test asserts a timing

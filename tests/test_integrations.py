@@ -300,3 +300,26 @@ def test_planning_errors_reach_every_rank():
     assert sent == [{"error": "ProfilingError", "message": "no loss"}]
     with pytest.raises(LightningSACError, match="failed on global rank 0: ProfilingError: no loss"):
         plan_on_rank_zero(False, fail, lambda obj: sent[0])
+
+
+def test_a_batch_larger_than_planned_is_said_once():
+    from lightning_sac.integrations.shapes import ShapeWatch, planned_shapes
+
+    class Echo(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return input_ids
+
+    said: list[str] = []
+    batch = TokenDataset(n=4)[:]
+    watch = ShapeWatch(planned_shapes(batch), said.append)
+    model = Echo()
+    watch.attach(model)
+    model(**batch)
+    model(input_ids=batch["input_ids"][:, :32], labels=batch["labels"][:, :32])  # shorter: the plan holds
+    assert said == []
+    longer = torch.cat([batch["input_ids"], batch["input_ids"]], dim=1)
+    model(input_ids=longer, labels=longer)
+    model(input_ids=longer, labels=longer)
+    assert len(said) == 1 and "input_ids is [4, 128], larger than the [4, 64]" in said[0]
+    watch.detach()
+    assert not model._forward_pre_hooks

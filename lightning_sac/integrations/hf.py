@@ -36,6 +36,7 @@ from lightning_sac.dryrun import MemoryTimeline, ModelProfile, placeholder_messa
 from lightning_sac.errors import ProfilingError
 from lightning_sac.integrations.measure import LoopMeasurement
 from lightning_sac.integrations.planner import LoopStep, PlanSettings, first_batch, plan_for_step, plan_on_rank_zero
+from lightning_sac.integrations.shapes import ShapeWatch, planned_shapes
 from lightning_sac.lightning import measured_verdict, own_checkpointing_message, plan_message
 from lightning_sac.plan import Plan
 from lightning_sac.report import PeakSeries
@@ -169,6 +170,7 @@ class AutoSACCallback(TrainerCallback):
         self.measured: MemoryTimeline | None = None
         self._handle: PlanHandle | None = None
         self._measurement = LoopMeasurement()
+        self._watch = ShapeWatch({}, logger.warning)
         self._writer: Any = None
         self._peaks = PeakSeries()
 
@@ -192,16 +194,21 @@ class AutoSACCallback(TrainerCallback):
         rank_zero = args.process_index == 0
         loader = kwargs.get("train_dataloader")
 
+        shapes: dict[str, list[int]] = {}
+
         def make() -> Plan | None:  # on process 0 alone: the others take no batch and wait for its plan
             batch = self.example_batch if self.example_batch is not None else first_batch(loader)
+            shapes.update(planned_shapes(batch))
             return self._make_plan(model, batch, step, args)
 
         self.plan = plan_on_rank_zero(rank_zero, make, _broadcast)
+        self._watch = ShapeWatch(_broadcast(shapes), logger.warning)
         self._peaks = PeakSeries()
         if self.plan is None:
             return
         if not self.report_only:
             self._handle = apply_plan(model, self.plan, backend=self.settings.backend)
+            self._watch.attach(model)
         if rank_zero:
             logger.info(plan_message(self.plan, self.settings.backend, report_only=self.report_only))
             if self._tensorboard(args) is not None:
@@ -250,6 +257,7 @@ class AutoSACCallback(TrainerCallback):
 
     def remove(self) -> None:
         """Remove the plan from the model (``trainer.train()`` raised: the Trainer has no event for that)."""
+        self._watch.detach()
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

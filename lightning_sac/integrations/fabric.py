@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision.amp import MixedPrecision
+from lightning.fabric.wrappers import _FabricModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,11 +32,9 @@ __all__ = ["plan_and_apply"]
 
 def _module_of(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The module as the user wrote it, and what Fabric runs (its DDP wrapper, or the module itself)."""
-    original = getattr(model, "module", model) if type(model).__name__ == "_FabricModule" else model
-    forward = getattr(model, "_forward_module", model)
-    if isinstance(forward, DistributedDataParallel) or isinstance(model, DistributedDataParallel):
-        return original if not isinstance(original, DistributedDataParallel) else original.module, forward
-    return original, forward
+    forward = model._forward_module if isinstance(model, _FabricModule) else model
+    original = model.module if isinstance(model, _FabricModule) else model
+    return (original.module if isinstance(original, DistributedDataParallel) else original), forward
 
 
 def _check_strategy(fabric: Any) -> None:

@@ -35,9 +35,9 @@ from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun import MemoryTimeline, ModelProfile, placeholder_message
 from lightning_sac.errors import ProfilingError
 from lightning_sac.integrations.measure import LoopMeasurement
-from lightning_sac.integrations.planner import LoopStep, PlanSettings, first_batch, plan_for_step, plan_on_rank_zero
+from lightning_sac.integrations.planner import LoopStep, PlanSettings, first_batch, plan_for_step, plan_json, plan_of
 from lightning_sac.integrations.shapes import ShapeWatch, planned_shapes
-from lightning_sac.lightning import measured_verdict, own_checkpointing_message, plan_message
+from lightning_sac.lightning import broadcast_from_rank_zero, measured_verdict, own_checkpointing_message, plan_message
 from lightning_sac.plan import Plan
 from lightning_sac.report import PeakSeries
 
@@ -45,8 +45,6 @@ __all__ = ["AutoSACCallback"]
 
 # Under the library's root logger: the Trainer's log_level and handlers apply to it.
 logger = logging.get_logger("transformers.lightning_sac")
-
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def accepts_loss_kwargs(model: torch.nn.Module) -> bool:
@@ -184,7 +182,7 @@ class AutoSACCallback(TrainerCallback):
         step = LoopStep(
             self._compute_loss(),
             optimizer,
-            autocast_dtype=_AUTOCAST["bf16"] if args.bf16 else _AUTOCAST["fp16"] if args.fp16 else None,
+            autocast_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             accumulate=args.gradient_accumulation_steps,
             world_size=args.world_size,
             data_parallel=args.world_size > 1,
@@ -194,15 +192,13 @@ class AutoSACCallback(TrainerCallback):
         rank_zero = args.process_index == 0
         loader = kwargs.get("train_dataloader")
 
-        shapes: dict[str, list[int]] = {}
-
-        def make() -> Plan | None:  # on process 0 alone: the others take no batch and wait for its plan
+        def make() -> dict[str, Any]:  # on process 0 alone: the others take no batch and wait for its plan
             batch = self.example_batch if self.example_batch is not None else first_batch(loader)
-            shapes.update(planned_shapes(batch))
-            return self._make_plan(model, batch, step, args)
+            return {"plan": plan_json(self._make_plan(model, batch, step, args)), "shapes": planned_shapes(batch)}
 
-        self.plan = plan_on_rank_zero(rank_zero, make, _broadcast)
-        self._watch = ShapeWatch(_broadcast(shapes), logger.warning)
+        payload = broadcast_from_rank_zero(rank_zero, make, _broadcast)
+        self.plan = plan_of(payload)
+        self._watch = ShapeWatch(payload["shapes"], logger.warning)
         self._peaks = PeakSeries()
         if self.plan is None:
             return

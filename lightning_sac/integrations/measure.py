@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import record_function
 
-from lightning_sac.dryrun import MemoryTimeline, QuietProfile, tensors_of, unique_bytes
-from lightning_sac.lightning import window_timeline
+from lightning_sac.dryrun import MemoryTimeline, tensors_of, unique_bytes
+from lightning_sac.lightning import started_step_profiler, window_timeline
 
 __all__ = ["LoopMeasurement"]
 
@@ -59,13 +59,7 @@ class LoopMeasurement:
 
     def start(self) -> None:
         """Start the profiler (before the step ahead of the measured one)."""
-        self._profiler = QuietProfile(
-            activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
-            profile_memory=True,
-            record_shapes=True,
-            with_stack=True,
-        )
-        self._profiler.__enter__()
+        self._profiler = started_step_profiler()
 
     def begin(self, model: nn.Module, optimizer: Any) -> None:
         """Open the measured step's window: what is alive now, and the batch its forward passes will receive."""

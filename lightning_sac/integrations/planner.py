@@ -18,14 +18,21 @@ from torch import nn
 
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.dryrun import ModelProfile
-from lightning_sac.errors import LightningSACError, ProfilingError
-from lightning_sac.lightning import check_autosac_args, solve_or_minimum
+from lightning_sac.errors import ProfilingError
+from lightning_sac.lightning import broadcast_from_rank_zero, check_autosac_args, solve_or_minimum
 from lightning_sac.plan import Plan
 from lightning_sac.profiling import profile_step
 
-__all__ = ["LoopStep", "PlanSettings", "first_batch", "optimizer_factory", "plan_for_step", "plan_on_rank_zero"]
-
-_GIB = 2**30
+__all__ = [
+    "LoopStep",
+    "PlanSettings",
+    "first_batch",
+    "optimizer_factory",
+    "plan_for_step",
+    "plan_json",
+    "plan_of",
+    "plan_on_rank_zero",
+]
 
 
 @dataclass(frozen=True)
@@ -233,15 +240,14 @@ def plan_on_rank_zero(
         LightningSACError: Planning failed on rank 0 (raised there with its own traceback; on the other ranks
             with its type and message), so that no rank trains without the plan the others apply.
     """
-    payload: dict[str, Any] = {}
-    if is_rank_zero:
-        try:
-            plan = make()
-            payload = {"plan": None if plan is None else plan.to_json()}
-        except Exception as err:
-            broadcast({"error": type(err).__name__, "message": str(err)})  # every rank waits for this broadcast
-            raise
-    payload = broadcast(payload)
-    if "error" in payload:
-        raise LightningSACError(f"AutoSAC planning failed on global rank 0: {payload['error']}: {payload['message']}")
+    return plan_of(broadcast_from_rank_zero(is_rank_zero, lambda: {"plan": plan_json(make())}, broadcast))
+
+
+def plan_json(plan: Plan | None) -> str | None:
+    """A plan as a broadcast carries it."""
+    return None if plan is None else plan.to_json()
+
+
+def plan_of(payload: dict[str, Any]) -> Plan | None:
+    """The plan a broadcast carried under ``"plan"``."""
     return None if payload["plan"] is None else Plan.from_json(payload["plan"])

@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from lightning_sac.lightning.args import check_autosac_args
 from lightning_sac.lightning.callback import AutoSAC
-from lightning_sac.lightning.fit_measure import measured_verdict, window_timeline
-from lightning_sac.lightning.fit_planning import own_checkpointing_message, plan_message, solve_or_minimum
+from lightning_sac.lightning.fit_measure import measured_verdict, started_step_profiler, window_timeline
+from lightning_sac.lightning.fit_planning import (
+    broadcast_from_rank_zero,
+    own_checkpointing_message,
+    plan_message,
+    solve_or_minimum,
+)
 
 __all__ = [
     "AutoSAC",
+    "broadcast_from_rank_zero",
     "check_autosac_args",
     "measured_verdict",
     "own_checkpointing_message",
     "plan_message",
     "solve_or_minimum",
+    "started_step_profiler",
     "window_timeline",
 ]

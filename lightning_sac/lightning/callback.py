@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +17,6 @@ from typing_extensions import override
 from lightning_sac.apply import PlanHandle, apply_plan
 from lightning_sac.devices import DeviceSpec
 from lightning_sac.dryrun import MemoryTimeline, ModelProfile
-from lightning_sac.errors import LightningSACError
 from lightning_sac.lightning.args import check_autosac_args, check_strategy
 from lightning_sac.lightning.batch_shapes import check_max_shapes, grow_batch, max_shapes_signature, signature_of
 from lightning_sac.lightning.fit_measure import (
@@ -26,7 +26,7 @@ from lightning_sac.lightning.fit_measure import (
     logger_writer,
     own_writer,
 )
-from lightning_sac.lightning.fit_planning import plan_message
+from lightning_sac.lightning.fit_planning import broadcast_from_rank_zero, plan_message
 from lightning_sac.lightning.planning import PlanningMixin
 from lightning_sac.lightning.shape_plans import ShapePlan, ShapePlans, follow_batch
 from lightning_sac.plan import Plan
@@ -169,24 +169,18 @@ class AutoSAC(PlanningMixin, Callback):
         batch = self._example_batch(trainer)
         if self.max_shapes is not None:
             batch = grow_batch(batch, max_shapes_signature(batch, self.max_shapes))
-        payload: dict[str, Any] = {}
-        if trainer.is_global_zero:
-            try:
-                cached = self._cached_shape_plan(pl_module, batch, trainer)
-                plan = cached.plan if cached else self._reuse(pl_module, batch, trainer)
-                plan = plan or self._make_plan(trainer, pl_module, batch)
-                self.shape_plans.start(cached.signature if cached else signature_of(batch), plan)
-                payload = {"plan": None if plan is None else plan.to_json(), "profiled": self.profiled}
-                payload["shape_plans"] = self.shape_plans.state_dict()  # every rank follows shapes with this cache
-            except Exception as err:
-                # Every rank waits for this broadcast: tell them, then raise here with the full traceback.
-                trainer.strategy.broadcast({"error": type(err).__name__, "message": str(err)}, src=0)
-                raise
-        payload = trainer.strategy.broadcast(payload, src=0)
-        if "error" in payload:
-            raise LightningSACError(
-                f"AutoSAC planning failed on global rank 0: {payload['error']}: {payload['message']}"
-            )
+
+        def make() -> dict[str, Any]:  # on global rank 0
+            cached = self._cached_shape_plan(pl_module, batch, trainer)
+            plan = cached.plan if cached else self._reuse(pl_module, batch, trainer)
+            plan = plan or self._make_plan(trainer, pl_module, batch)
+            self.shape_plans.start(cached.signature if cached else signature_of(batch), plan)
+            payload: dict[str, Any] = {"plan": None if plan is None else plan.to_json(), "profiled": self.profiled}
+            payload["shape_plans"] = self.shape_plans.state_dict()  # every rank follows shapes with this cache
+            return payload
+
+        broadcast = functools.partial(trainer.strategy.broadcast, src=0)
+        payload = broadcast_from_rank_zero(trainer.is_global_zero, make, broadcast)
         self.profiled = payload["profiled"]
         self.plan = None if payload["plan"] is None else Plan.from_json(payload["plan"])
         self.shape_plans.load_state_dict(payload["shape_plans"])

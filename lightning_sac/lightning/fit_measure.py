@@ -41,6 +41,7 @@ __all__ = [
     "measured_timeline",
     "measured_verdict",
     "own_writer",
+    "started_step_profiler",
     "window_peak",
     "window_timeline",
 ]
@@ -73,6 +74,18 @@ def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
     return unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
 
 
+def started_step_profiler() -> QuietProfile:
+    """A running profiler for a measured step: allocator events, and what torch's memory profiler categorizes by."""
+    profiler = QuietProfile(  # no Kineto status lines on the console
+        activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
+        profile_memory=True,
+        record_shapes=True,
+        with_stack=True,
+    )
+    profiler.__enter__()
+    return profiler
+
+
 class StepMeasurement:
     """Profiles the fit's second accumulation cycle with torch.profiler (see the module docstring).
 
@@ -99,13 +112,7 @@ class StepMeasurement:
         """Start the profiler before the first micro-batch, and the measured window before the cycle after it."""
         k = trainer.accumulate_grad_batches
         if self._seen == 0:
-            self._profiler = QuietProfile(  # no Kineto status lines on the console
-                activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])],
-                profile_memory=True,
-                record_shapes=True,
-                with_stack=True,
-            )
-            self._profiler.__enter__()
+            self._profiler = started_step_profiler()
         elif self._seen == k and self._profiler is not None:
             self._baseline = _alive_bytes(trainer, pl_module, batch)
             self._window = record_function(_WINDOW)

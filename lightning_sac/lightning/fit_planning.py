@@ -6,6 +6,7 @@ the plan under ``strict=False`` when the budget is out of reach.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,42 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_sac.dryrun import ModelProfile
-from lightning_sac.errors import BudgetError
+from lightning_sac.errors import BudgetError, LightningSACError
 from lightning_sac.plan import Plan
 from lightning_sac.solver import solve_plan
 
-__all__ = ["first_training_batch", "own_checkpointing_message", "plan_message", "read_plan_file", "solve_or_minimum"]
+__all__ = [
+    "broadcast_from_rank_zero",
+    "first_training_batch",
+    "own_checkpointing_message",
+    "plan_message",
+    "read_plan_file",
+    "solve_or_minimum",
+]
 
 _GIB = 2**30
+
+
+def broadcast_from_rank_zero(
+    is_rank_zero: bool, make: Callable[[], dict[str, Any]], broadcast: Callable[[Any], Any]
+) -> dict[str, Any]:
+    """``make()`` on global rank 0, what it returns handed to every rank by ``broadcast`` (an object from rank 0).
+
+    Raises:
+        LightningSACError: ``make`` failed on rank 0 (raised there with its own traceback; on the other ranks with
+            its type and message): every rank waits for the broadcast, and none trains without the others' plan.
+    """
+    payload: dict[str, Any] = {}
+    if is_rank_zero:
+        try:
+            payload = make()
+        except Exception as err:
+            broadcast({"error": type(err).__name__, "message": str(err)})
+            raise
+    payload = broadcast(payload)
+    if "error" in payload:
+        raise LightningSACError(f"AutoSAC planning failed on global rank 0: {payload['error']}: {payload['message']}")
+    return payload
 
 
 def first_training_batch(trainer: pl.Trainer) -> Any:

@@ -15,6 +15,7 @@ from lightning_sac.devices.lookup import (
     get_device_spec,
     known_devices,
     match_device,
+    target_device_spec,
 )
 from lightning_sac.devices.names import DEVICE_ALIASES, DeviceMatch
 from lightning_sac.devices.spec import DeviceSpec, UnknownDeviceError
@@ -32,4 +33,5 @@ __all__ = [
     "get_device_spec",
     "known_devices",
     "match_device",
+    "target_device_spec",
 ]

@@ -145,6 +145,13 @@ def get_device_spec(device: str | DeviceSpec = "auto") -> DeviceSpec:
     return DEVICE_SPECS[match.name]
 
 
+def target_device_spec(named: str | DeviceSpec | None, running_on: torch.device) -> DeviceSpec:
+    """The device a plan is for: the one named, else the one training runs on (its real properties on CUDA)."""
+    if named is not None:
+        return get_device_spec(named)
+    return get_device_spec("auto" if running_on.type == "cuda" else "cpu")
+
+
 def driver_name_entry(name: str) -> str | None:
     """The table entry a driver-reported GPU name is matched to by ``DRIVER_NAME_PATTERNS``, or ``None``."""
     for pattern, entry in _DRIVER_NAME_PATTERNS:

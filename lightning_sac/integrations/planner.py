@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sac.devices import DeviceSpec, get_device_spec
+from lightning_sac.devices import DeviceSpec, target_device_spec
 from lightning_sac.dryrun import ModelProfile
 from lightning_sac.errors import ProfilingError
 from lightning_sac.lightning import broadcast_from_rank_zero, check_autosac_args, solve_or_minimum
@@ -74,9 +74,7 @@ class PlanSettings:
 
     def target(self, device: torch.device) -> DeviceSpec:
         """The device planned for: the one named, else the loop's own (its real properties on CUDA)."""
-        if self.device is not None:
-            return get_device_spec(self.device)
-        return get_device_spec("auto" if device.type == "cuda" else "cpu")
+        return target_device_spec(self.device, device)
 
     def budget(self, spec: DeviceSpec) -> float:
         """The budget in GiB per device."""

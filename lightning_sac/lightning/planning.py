@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_sac.adapters import compiled_parts
-from lightning_sac.devices import DeviceSpec, get_device_spec
+from lightning_sac.devices import DeviceSpec, target_device_spec
 from lightning_sac.dryrun import ModelProfile, fingerprint_of, loop_signature, placeholder_message, tensors_of
 from lightning_sac.errors import ProfilingError
 from lightning_sac.lightning.compiled_budget import inductor_fit, lightning_step_tracer, plan_compiled
@@ -65,9 +65,7 @@ class PlanningMixin:
         return first_training_batch(trainer)
 
     def _target(self, trainer: pl.Trainer) -> DeviceSpec:
-        if self.device is not None:
-            return get_device_spec(self.device)
-        return get_device_spec("auto" if trainer.strategy.root_device.type == "cuda" else "cpu")
+        return target_device_spec(self.device, trainer.strategy.root_device)
 
     def _settings(self, trainer: pl.Trainer, spec: DeviceSpec) -> tuple[float, int, str]:
         budget = self.budget_gb if self.budget_gb is not None else self.budget_fraction * spec.memory_gib  # type: ignore[operator]

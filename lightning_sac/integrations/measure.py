@@ -16,20 +16,11 @@ from torch import nn
 from torch.profiler import record_function
 
 from lightning_sac.dryrun import MemoryTimeline, tensors_of, unique_bytes
-from lightning_sac.lightning import started_step_profiler, window_timeline
+from lightning_sac.lightning import started_step_profiler, step_state_tensors, window_timeline
 
 __all__ = ["LoopMeasurement"]
 
 _WINDOW = "lightning_sac_measured_step"
-
-
-def _state_tensors(model: nn.Module, optimizer: Any) -> list[torch.Tensor]:
-    """Parameters, buffers, gradients and optimizer state: what a step begins with besides its batch."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    params = list(model.parameters())
-    state = [] if inner is None else [v for s in inner.state.values() for v in s.values()]
-    tensors = [*params, *model.buffers(), *[p.grad for p in params if p.grad is not None], *tensors_of(state)]
-    return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 class LoopMeasurement:
@@ -63,7 +54,8 @@ class LoopMeasurement:
 
     def begin(self, model: nn.Module, optimizer: Any) -> None:
         """Open the measured step's window: what is alive now, and the batch its forward passes will receive."""
-        self._state = _state_tensors(model, optimizer)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper keeps the torch optimizer
+        self._state = step_state_tensors(model, [] if inner is None else [inner])
 
         def seen(module: nn.Module, args: Any, kwargs: Any) -> None:
             self._batch += tensors_of((args, kwargs))

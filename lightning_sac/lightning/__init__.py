@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from lightning_sac.lightning.args import check_autosac_args
 from lightning_sac.lightning.callback import AutoSAC
-from lightning_sac.lightning.fit_measure import measured_verdict, started_step_profiler, window_timeline
+from lightning_sac.lightning.fit_measure import (
+    measured_verdict,
+    started_step_profiler,
+    step_state_tensors,
+    window_timeline,
+)
 from lightning_sac.lightning.fit_planning import (
     broadcast_from_rank_zero,
     own_checkpointing_message,
@@ -26,5 +31,6 @@ __all__ = [
     "plan_message",
     "solve_or_minimum",
     "started_step_profiler",
+    "step_state_tensors",
     "window_timeline",
 ]

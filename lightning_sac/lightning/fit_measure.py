@@ -12,12 +12,14 @@ state and the batch, each storage once) plus the highest net allocation inside t
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.profiler import ProfilerActivity, record_function
 
 from lightning_sac.dryrun import (
@@ -42,6 +44,7 @@ __all__ = [
     "measured_verdict",
     "own_writer",
     "started_step_profiler",
+    "step_state_tensors",
     "window_peak",
     "window_timeline",
 ]
@@ -61,17 +64,22 @@ def window_peak(events: list[tuple[int, int]], window: tuple[int, int], alive_at
     return peak
 
 
-def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
-    """Parameters, buffers, gradients, optimizer state and the batch: what a step begins with, on this rank.
+def step_state_tensors(model: nn.Module, optimizers: Sequence[Any]) -> list[torch.Tensor]:
+    """Parameters, buffers, gradients and optimizer state: what a step begins with besides its batch, on this rank.
 
     Under FSDP the rank holds shards: a ``DTensor``'s local tensor (FSDP2, which ``unique_bytes`` counts), FSDP1's
     flat shard (whose views the wrapper's parameters are).
     """
-    model = trainer.strategy.model or pl_module
-    state = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()]
+    state = [v for o in optimizers for s in o.state.values() for v in s.values()]
     params = list(model.parameters())
-    tensors = [*params, *model.buffers(), *tensors_of((batch, state)), *[p.grad for p in params if p.grad is not None]]
-    return unique_bytes([t for t in tensors if isinstance(t, torch.Tensor)])
+    tensors = [*params, *model.buffers(), *tensors_of(state), *[p.grad for p in params if p.grad is not None]]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _alive_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> int:
+    """Bytes a step begins with on this rank: the strategy's model's :func:`step_state_tensors` and the batch."""
+    model = trainer.strategy.model or pl_module
+    return unique_bytes([*step_state_tensors(model, trainer.optimizers), *tensors_of(batch)])
 
 
 def started_step_profiler() -> QuietProfile:

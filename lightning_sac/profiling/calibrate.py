@@ -24,8 +24,8 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
   (:mod:`lightning_sac.apply.sac`), without the selective policy's dispatch modes.
 
 A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.solver.recompute.overhead_ms`).
-Modules are measured once per class, parameter shapes and input signature, in interleaved rounds, fastest of
-each. Not measured (the per-op figures apply): modules called more than once, modules whose forward and
+Modules are measured once per class, parameter shapes and input signature, in interleaved rounds: each figure is
+the median over rounds of a configuration's difference from its reference in the same round. Not measured (the per-op figures apply): modules called more than once, modules whose forward and
 backward take more than half the step (the root: it would double the profile's time), and models whose
 weights are not real CPU tensors (built on the meta device). A module that cannot run on synthetic inputs is
 named in one warning.
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
+import statistics
 import time
 import warnings
 from collections.abc import Mapping
@@ -52,8 +52,9 @@ from lightning_sac.solver import recompute_ms, skipped_ops
 __all__ = ["calibrate_modules"]
 
 # The interleaved measurement runs one warm-up round, then rounds until at least _MIN_ROUNDS and _MIN_SECONDS
-# (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the fastest counts.
-_MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 6, 20, 0.5
+# (small modules: their differences are a fraction of a millisecond), at most _MAX_ROUNDS; the median of the
+# differences within rounds counts.
+_MIN_ROUNDS, _MAX_ROUNDS, _MIN_SECONDS = 8, 20, 0.5
 
 
 def _is_real_cpu(module: nn.Module) -> bool:
@@ -137,9 +138,9 @@ def _measure(
     if whole:
         configs.append(("sac", "whole"))
         plans["whole"] = plans["recompute"]
-    # Fastest whole step, and fastest backward, of each configuration.
-    best = dict.fromkeys(configs, math.inf)
-    best_backward = dict.fromkeys(configs, math.inf)
+    # Each configuration's whole step and backward, per round.
+    steps: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
+    backwards: dict[tuple[str, str], list[float]] = {c: [] for c in configs}
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     # The user's RNG stream must not move: synthetic inputs and dropout draw from the global generator.
     # Every apply makes a new wrapper, which would warn about a mismatch once each: a mismatch raises instead.
@@ -164,20 +165,27 @@ def _measure(
                 else:
                     took, backward = _step(twin, args, kwargs, autocast)
                 if rounds:
-                    best[backend, which] = min(best[backend, which], took)
-                    best_backward[backend, which] = min(best_backward[backend, which], backward)
+                    steps[backend, which].append(took)
+                    backwards[backend, which].append(backward)
+
+    def extra(series: dict[tuple[str, str], list[float]], config: tuple[str, str], base: tuple[str, str]) -> float:
+        # The median over rounds of the difference within a round, ms. The difference of each one's fastest
+        # round moved by 5-26 ms between calibrations of the same Llama layer on this CPU (the heap and caches
+        # differ from one moment to the next, and the fastest rounds of two configurations need not share one);
+        # paired within rounds, by 12-18 ms, nearer the 13 ms the same policy costs the layer in the real step.
+        return statistics.median(a - b for a, b in zip(series[config], series[base], strict=True)) * 1e3
+
     result = {}
-    plain = best["plain", ""]
     for backend in BACKENDS:
         # The factor compares backwards only: a forward that keeps nothing is also a little faster than one that
         # keeps everything, and on a small module that saving is as large as the recompute it would be mixed in
         # with. Leaving it out overstates a recompute-heavy policy's cost by that saving.
-        rerun = best_backward[backend, "recompute"] - best_backward[backend, "keep"]
+        rerun = extra(backwards, (backend, "recompute"), (backend, "keep"))
         predicted = recompute_ms(stats, policies["recompute"], backend)
-        factor = rerun * 1e3 / predicted if predicted > 0 else 1.0
-        result[backend] = [max(0.0, best[backend, "keep"] - plain) * 1e3, max(0.0, factor)]
+        factor = rerun / predicted if predicted > 0 else 1.0
+        result[backend] = [max(0.0, extra(steps, (backend, "keep"), ("plain", ""))), max(0.0, factor)]
     if whole:
-        result["sac"].append((best["sac", "whole"] - plain) * 1e3)
+        result["sac"].append(extra(steps, ("sac", "whole"), ("plain", "")))
     return result
 
 

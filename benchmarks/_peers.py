@@ -87,7 +87,10 @@ def titan_op_sac(model: nn.Module) -> nn.Module:
 
 def hf_gradient_checkpointing(model: nn.Module) -> nn.Module | None:
     """Hugging Face's own checkpointing with its defaults; ``None`` for a model without it."""
-    enable = getattr(model, "gradient_checkpointing_enable", None)
+    # transformers 5 names it activation_checkpointing_enable (the old name warns that it is deprecated).
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None
+    )
     if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
         return None
     enable()

@@ -25,10 +25,10 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 
 A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.solver.recompute.overhead_ms`).
 Modules are measured once per class, parameter shapes and input signature, in interleaved rounds: each figure is
-the median over rounds of a configuration's difference from its reference in the same round. Not measured (the per-op figures apply): modules called more than once, modules whose forward and
-backward take more than half the step (the root: it would double the profile's time), and models whose
-weights are not real CPU tensors (built on the meta device). A module that cannot run on synthetic inputs is
-named in one warning.
+the median over rounds of a configuration's difference from its reference in the same round. Not measured (the
+per-op figures apply): modules called more than once, modules whose forward and backward take more than half the
+step (the root: it would double the profile's time), and models whose weights are not real CPU tensors (built on
+the meta device). A module that cannot run on synthetic inputs is named in one warning.
 """
 
 from __future__ import annotations

@@ -42,14 +42,15 @@ from vs_peers import CACHING_MALLOC, hf_llama  # noqa: E402
 
 from lightning_sac import profile_model  # noqa: E402
 from lightning_sac.apply import apply_plan, whole_checkpoints  # noqa: E402
+from lightning_sac.dryrun import ModuleOpStats  # noqa: E402
 from lightning_sac.dryrun.step import model_inputs, model_loss, training_step  # noqa: E402
 from lightning_sac.profiling.overhead import whole_module_plan  # noqa: E402
 from lightning_sac.solver import least_kept_policy, recompute_ms, skipped_ops  # noqa: E402
 
 
-def every_layer(model: nn.Module, policy: list[int], stats: object, whole: bool) -> nn.Module:
+def every_layer(model: nn.Module, policy: list[int], stats: ModuleOpStats, whole: bool) -> nn.Module:
     """``model`` with one policy applied to each of its layers: as a plain checkpoint where it may run as one."""
-    one = whole_module_plan(stats.func_names, policy, skipped_ops(stats, policy))  # type: ignore[attr-defined]
+    one = whole_module_plan(stats.func_names, policy, skipped_ops(stats, policy))
     plan = dataclasses.replace(one, decisions={name: one.decisions[""] for name, _ in transformer_blocks(model)})
     with whole_checkpoints(whole):
         apply_plan(model, plan)
@@ -107,10 +108,10 @@ def main() -> None:
         f"{args.rounds} rounds; the layer's recompute by the profile's op times: {rerun:.1f} ms"
     )
     print(f"{'every layer':>32} | {'step overhead':>13} | {'per layer, ms':>13} | {'calibration, ms':>15}")
-    for k in names[1:]:
-        extra = statistics.median(a - b for a, b in zip(times[k], times["plain"], strict=True)) * 1e3
-        cal = f"{predicted[k]:>15.1f}" if k in predicted else f"{'':>15}"
-        print(f"{k:>32} | {extra / plain:>13.1%} | {extra / layers:>13.1f} | {cal}")
+    for name in names[1:]:
+        extra = statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True)) * 1e3
+        cal = f"{predicted[name]:>15.1f}" if name in predicted else f"{'':>15}"
+        print(f"{name:>32} | {extra / plain:>13.1%} | {extra / layers:>13.1f} | {cal}")
 
 
 if __name__ == "__main__":

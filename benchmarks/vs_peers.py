@@ -253,9 +253,9 @@ def ours(
     than :data:`MODEL_SLACK` (the model counts a few KiB the real step frees a moment earlier), the plan is made
     at that least peak, and said: the goal is on measured peaks.
     """
+    peers = [peer] if peer else []
     if compiled:
         plan = compiled_plan(case, profile, budget, label)
-        peers = [peer] if peer else []
         return None if plan is None else Config(label, lambda: _Compiled(applied(case, plan)), plan=plan, peers=peers)
     try:
         plan = solve_plan(profile, budget / GIB)
@@ -266,7 +266,7 @@ def ours(
             return None
         print(f"{label}: planned at our model's least peak, {least - budget} bytes above {peer}'s measured one")
         plan = solve_plan(profile, least / GIB)
-    return Config(label, lambda: applied(case, plan), plan=plan, peers=[peer] if peer else [])
+    return Config(label, lambda: applied(case, plan), plan=plan, peers=peers)
 
 
 def merged(planned: list[Config]) -> list[Config]:

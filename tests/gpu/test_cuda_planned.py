@@ -47,7 +47,7 @@ CASES = [
     ("gpt2", "fp32", "emulated"),
     ("llama", "bf16", "cuda"),
     ("resnet", "fp32", "cuda"),
-    ("resnet", "fp32", "emulated"),  # cuDNN's BatchNorm emulated on the CPU: not yet measured on a GPU
+    ("resnet", "fp32", "emulated"),  # cuDNN's BatchNorm emulated on the CPU
     ("resnet", "bf16", "emulated"),
 ]
 IDS = ["-".join(c) for c in CASES]

@@ -11,10 +11,13 @@ Configurations of one model, each trained for real on copies of the same weights
 The peak of each is that of torch.profiler's allocator events over one real step (after a first step made the
 optimizer's state), independent of our own tracker. Step times come from interleaved rounds (one step of each
 configuration per round, in a new order each round); a configuration's overhead is the median over rounds of its
-step minus the plain step of the same round, over the plain step's median. Each goal's ratio is printed with its
-10th-90th percentile band over resamplings of the rounds, the noise of this machine. Goals: at each peer's peak,
-our overhead at most 0.85x torchtitan's and 0.95x full AC's and Hugging Face checkpointing's, our measured peak at
-most 1% above the peer's. The plan's predicted overhead is printed beside the measured one.
+step minus the plain step of the same round, over the plain step's median, where a round's plain step is the mean of
+two plain copies timed in it (their difference, printed, is the noise floor of this machine and method). Each
+goal's ratio is printed with its 10th-90th percentile band over resamplings of the rounds. Goals: at each peer's
+peak, our overhead at most 0.85x torchtitan's and 0.95x full AC's and Hugging Face checkpointing's, our measured
+peak at most 1% above the peer's. Ours is planned at :data:`PEAK_SLACK` above the peer's measured peak, inside that
+1% (a quarter of it left for the prediction's error). The plan's predicted overhead is printed beside the measured
+one.
 
 ``--compile``: every configuration runs under ``torch.compile`` (inductor on this CPU), and the peers are compile's
 own memory budget, ``torch._functorch.config.activation_memory_budget`` at each of ``--compile-budgets`` (its default
@@ -69,6 +72,7 @@ PEERS = {"full AC": full_ac, "torchtitan op-SAC": titan_op_sac, "HF checkpointin
 GOALS = {"torchtitan op-SAC": 0.85, "full AC": 0.95, "HF checkpointing": 0.95}
 COMPILE_GOAL = 1.0  # under --compile: our overhead over compile's own, at each of its budgets' peaks
 PEAK_GOAL = 0.01  # our measured peak at most this far above the peer's
+PEAK_SLACK = 0.0075  # ours is planned this far above the peer's measured peak: inside PEAK_GOAL
 MODEL_SLACK = 1e-4  # see ours()
 
 
@@ -219,8 +223,18 @@ def time_rounds(case: Case, configs: list[Config], rounds: int) -> None:
             training_step(models[k], inputs, loss, opts[k])
             if i >= 2:
                 configs[k].times.append(time.perf_counter() - start)
+    base = plain_times(configs[0], configs[1])
     for c in configs:
-        c.overhead = overhead(c.times, configs[0].times)
+        c.overhead = overhead(c.times, base)
+
+
+def plain_times(a: Config, b: Config) -> list[float]:
+    """Each round's plain step: the mean of the two plain copies timed in it.
+
+    Against one copy, its own noise and any lasting difference of the copy (where its memory landed) enter every
+    overhead: the second copy read 2.0% to -4.1% against the first in four runs. Against the mean, half of each.
+    """
+    return [(x + y) / 2 for x, y in zip(a.times, b.times, strict=True)]
 
 
 def overhead(times: list[float], base: list[float]) -> float:
@@ -228,16 +242,16 @@ def overhead(times: list[float], base: list[float]) -> float:
     return statistics.median(a - b for a, b in zip(times, base, strict=True)) / statistics.median(base)
 
 
-def ratio_band(ours: Config, peer: Config, plain: Config, resamples: int = 1000) -> tuple[float, float]:
+def ratio_band(ours: Config, peer: Config, plain: list[float], resamples: int = 1000) -> tuple[float, float]:
     """10th and 90th percentiles of our overhead over the peer's, the rounds resampled with replacement.
 
     How far the ratio moves when the same machine gives other rounds: on a shared CPU a step's time varies by
     10-30% from round to round, so a ratio a few percent either side of a goal is not a measured difference.
     """
-    rng, n, ratios = random.Random(0), len(plain.times), []
+    rng, n, ratios = random.Random(0), len(plain), []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        base = [plain.times[i] for i in idx]
+        base = [plain[i] for i in idx]
         theirs = overhead([peer.times[i] for i in idx], base)
         ratios.append(overhead([ours.times[i] for i in idx], base) / theirs if theirs > 0 else math.inf)
     deciles = statistics.quantiles(ratios, n=10)
@@ -264,7 +278,7 @@ def ours(
         if peer is None or least > budget * (1 + MODEL_SLACK):
             print(f"{label}: no plan ({least / MIB:.3f} MiB is the least our model predicts)")
             return None
-        print(f"{label}: planned at our model's least peak, {least - budget} bytes above {peer}'s measured one")
+        print(f"{label}: planned at our model's least peak, {least - budget} bytes above the budget")
         plan = solve_plan(profile, least / GIB)
     return Config(label, lambda: applied(case, plan), plan=plan, peers=peers)
 
@@ -386,7 +400,8 @@ def main() -> None:  # noqa: C901, PLR0915
     profile_s = time.perf_counter() - start
     planned: list[Config] = []
     for c in configs[2:]:
-        o = ours(case, profile, c.peak, f"ours @ {c.name}", c.name, compiled=args.compile)
+        budget = int(c.peak * (1 + PEAK_SLACK))
+        o = ours(case, profile, budget, f"ours @ {c.name}", c.name, compiled=args.compile)
         planned += [o] if o else []
     for fraction in args.sweep:
         o = ours(case, profile, int(configs[0].peak * fraction), f"ours @ {fraction:.0%}", compiled=args.compile)
@@ -403,9 +418,13 @@ def main() -> None:  # noqa: C901, PLR0915
         f"{case.name}, batch {args.batch} x {args.seq}, AdamW, CPU ({args.threads} thread(s)), malloc "
         f"{'defaults' if args.system_malloc else 'keeps freed memory'}"
         f"{', every configuration compiled (inductor)' if args.compile else ''}; plain step "
-        f"{statistics.median(plain.times or [0.0]) * 1e3:.1f} ms, peak {plain.peak / MIB:.1f} MiB; "
-        f"profiled in {profile_s:.1f} s; {args.rounds} rounds"
+        f"{statistics.median(plain_times(plain, configs[1]) or [0.0]) * 1e3:.1f} ms (the mean of two copies), peak "
+        f"{plain.peak / MIB:.1f} MiB; profiled in {profile_s:.1f} s; {args.rounds} rounds; ours planned "
+        f"{PEAK_SLACK:.2%} above each peer's peak"
     )
+    if args.rounds:
+        floor = overhead(configs[1].times, plain.times)
+        print(f"noise floor: plain B against plain, {floor:+.1%} (each overhead below is against their mean)")
     print(
         f"{'configuration':>26} | {'peak MiB':>8} | {'/plain':>6} | {'predicted':>9} | {'overhead':>8} | "
         f"{'predicted':>9} | modules"
@@ -430,7 +449,7 @@ def main() -> None:  # noqa: C901, PLR0915
         goal = COMPILE_GOAL if args.compile else GOALS.get(peer_name)
         holds = (goal is None or ratio <= goal) and above <= PEAK_GOAL
         ok &= holds
-        band = ratio_band(o, peer, configs[0]) if args.rounds else (math.nan, math.nan)
+        band = ratio_band(o, peer, plain_times(configs[0], configs[1])) if args.rounds else (math.nan, math.nan)
         print(
             f"at {peer_name}'s peak: our overhead {ratio:.2f}x theirs (rounds resampled: {band[0]:.2f}-{band[1]:.2f}x)"
             + (f" (goal <= {goal:.2f}x)" if goal else "")

@@ -6,8 +6,9 @@ rounds:
 
 - full AC: ``torch.utils.checkpoint`` of the layer (the peer);
 - ours, whole: our plan's policy that saves nothing, run as the plain checkpoint it is applied as, whose recompute
-  skips the ops nothing in backward needs (the layer's last projection, ``down_proj``, which a plain checkpoint
-  reruns before its early stop);
+  would skip an op nothing in backward needs; on this Llama there is none (torch's checkpoint stops its recompute
+  at the last saved tensor, ``down_proj``'s input), so this is torch's checkpoint timed a second time: the
+  difference between the first two rows is the noise of one mechanism;
 - ours, selective, nothing saved: the same policy run under the selective policy's dispatch modes;
 - ours, selective, all saved: the selective policy keeping every op (the wrapper and the keeping alone, no
   recompute);

@@ -157,3 +157,44 @@ def test_a_plan_saved_before_skipping_existed_loads_and_skips_nothing(family_and
     for _ in range(2):
         _step(model, family.batch)
     assert all(w.last_skipper is None for w in handle.wrappers.values())
+
+
+def test_a_llama_layer_has_nothing_to_skip_and_its_recompute_is_torchs_early_stop():
+    # Without dropout nothing reads a dead op's shape: the MLP's down_proj, whose output only the residual add
+    # reads, comes after the layer's last saved tensor (its own input), where torch's checkpoint stops its
+    # recompute. Our plain checkpoint of the layer runs exactly the recompute torch's does: FLOPs counted.
+    from torch.utils.checkpoint import checkpoint
+    from zoo import llama
+
+    family = llama()
+    model, batch, config = family.model, family.batch, family.model.config
+    config.use_cache = False
+    profile = profile_model(model, batch, optimizer_factory=adamw, device="cpu")
+    layers = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
+    decisions = {}
+    for f in layers:
+        stats = profile.modules[f].op_stats
+        policy = [0] * len(stats.func_names)
+        assert skipped_ops(stats, policy) == []
+        decisions[f] = ModuleDecision(
+            discard_ratio=1.0, op_policy=policy, recompute_ms=0.0, freed_bytes=0, op_names=list(stats.func_names)
+        )
+    ours, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    handle = apply_plan(ours, Plan(decisions=decisions, budget_bytes=0))
+    for layer in theirs.model.layers:
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    with FlopCounterMode(display=False) as counted:
+        default_loss(model(**batch))
+    tokens, d, vocab = batch["input_ids"].numel(), config.hidden_size, config.vocab_size
+    layer_forward = (counted.get_total_flops() - 2 * tokens * d * vocab) // len(layers)  # less the LM head
+    down_proj = 2 * tokens * config.intermediate_size * d
+    _, plain_flops = _step(model, batch)
+    for call in range(2):  # the first call of its kind runs under the policy, the second plainly
+        loss_ours, ours_flops = _step(ours, batch)
+        loss_theirs, theirs_flops = _step(theirs, batch)
+        assert torch.equal(loss_ours, loss_theirs), call
+        assert ours_flops == theirs_flops == plain_flops + len(layers) * (layer_forward - down_proj), call
+        ours.zero_grad(set_to_none=True)
+        theirs.zero_grad(set_to_none=True)
+    assert all(w.whole and w.mismatched_calls == 0 for w in handle.wrappers.values())

@@ -64,6 +64,7 @@ from lightning_sac.apply import apply_plan, compiled_step_memory  # noqa: E402
 from lightning_sac.dryrun.measured import measure_training_step  # noqa: E402
 from lightning_sac.dryrun.step import model_inputs, model_loss, training_step  # noqa: E402
 from lightning_sac.lightning.compiled_budget import plan_compiled  # noqa: E402
+from lightning_sac.solver import peer_plans  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 CACHING_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
@@ -398,6 +399,10 @@ def main() -> None:  # noqa: C901, PLR0915
         estimate=args.estimate,
     )
     profile_s = time.perf_counter() - start
+    # The peers' own plans priced by our cost model (eager only): the ratio our solver expects, free of timing noise.
+    priced = {} if args.compile else peer_plans(profile)
+    if "full AC" in priced:
+        priced["HF checkpointing"] = priced["full AC"]  # Hugging Face's checkpoints each layer whole too
     planned: list[Config] = []
     for c in configs[2:]:
         budget = int(c.peak * (1 + PEAK_SLACK))
@@ -455,6 +460,13 @@ def main() -> None:  # noqa: C901, PLR0915
             + (f" (goal <= {goal:.2f}x)" if goal else "")
             + f", our peak {above:+.2%} vs theirs (goal <= {PEAK_GOAL:+.0%}): {'holds' if holds else 'DOES NOT HOLD'}"
         )
+        if (theirs := priced.get(peer_name)) is not None and o.plan is not None:
+            added = o.plan.predicted_recompute_ms + o.plan.predicted_overhead_ms
+            print(
+                f"    by our cost model: {peer_name}'s plan adds {theirs.added_ms:.1f} ms (its peak predicted at "
+                f"{theirs.peak_bytes / MIB:.1f} MiB, measured {peer.peak / MIB:.1f}), ours {added:.1f} ms: "
+                f"{added / theirs.added_ms:.2f}x"
+            )
     print(f"Goals: {'HOLD' if ok else 'DO NOT HOLD'}.")
     if args.compile:
         # The compiled plain step is compile's default budget, 1.0.

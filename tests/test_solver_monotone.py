@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from lightning_sac import BudgetError, ModelProfile, Plan, profile_model, solve_plan
-from lightning_sac.solver.candidates import find_candidates
-from lightning_sac.solver.decisions import plan_decisions, plan_peak
-from lightning_sac.solver.memory_model import memory_constraints
+from lightning_sac.solver import peer_plans, torchtitan_op_policy
 
 GIB = 2**30
 LAYERS = 4
@@ -91,69 +89,38 @@ def test_a_higher_budget_keeps_the_better_plan_of_a_lower_one(llama: ModelProfil
 
 def test_never_slower_than_full_checkpointing_where_it_fits(llama: ModelProfile) -> None:
     # Full activation checkpointing, as torch's checkpoint around each decoder layer runs it: every layer at its
-    # largest discard, priced by the plan's own cost model.
-    cands = find_candidates(llama, None)
-    layers = {c.fqn: c.tradeoff.max_discard for c in cands if c.fqn.startswith("model.layers.") and c.fqn[-1].isdigit()}
-    assert sorted(layers) == [f"model.layers.{i}" for i in range(LAYERS)]
-    constraints = memory_constraints(llama, {c.fqn: c.window for c in cands})
-    measured = {c.fqn: llama.modules[c.fqn].measured_overhead.get("sac") for c in cands}
-    per_op_us = llama.backend_overhead_us.get("sac", [0.0, 0.0])
-    decisions = plan_decisions(llama, cands, layers, "sac", per_op_us, measured, False)
-    assert sorted(decisions) == sorted(layers)
-    peer_peak = plan_peak(llama, constraints, decisions, "sac")
-    peer_ms = sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
+    # largest discard, priced by the plan's own cost model (peer_plans).
+    peer = peer_plans(llama)["full AC"]
+    assert sorted(peer.decisions) == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert all(not any(d.op_policy) for d in peer.decisions.values())  # nothing saved: whole layers
     # Whole layers rerun every op of the attention and the MLP, where our plans rerun their cheap ops.
-    assert (peer_peak, peer_ms) == (19_109_540, pytest.approx(1.69292, abs=5e-6))
-    for budget in (peer_peak, (peer_peak + llama_plain_peak) // 2):
+    assert (peer.peak_bytes, peer.added_ms) == (19_109_540, pytest.approx(1.69292, abs=5e-6))
+    for budget in (peer.peak_bytes, (peer.peak_bytes + llama_plain_peak) // 2):
         plan = solve_plan(llama, budget / GIB)
         assert plan.predicted_peak_bytes <= budget
-        assert added_ms(plan) <= peer_ms
+        assert added_ms(plan) <= peer.added_ms
 
 
-def torchtitan_policy(names: list[str], views: set[int], stateful: set[int]) -> list[int]:
-    """torchtitan's per-layer op-level SAC policy on one layer's ops: save every other matmul (the 1st, 3rd, ...),
-    attention and ``max``; recompute the rest (views always; stateful ops saved, as they must be)."""
-    policy, mm = [], 0
-    for i, name in enumerate(names):
-        if name == "aten.mm.default":
-            mm += 1
-            save = mm % 2 == 1
-        else:
-            save = "scaled_dot_product" in name or name == "aten.max.default"
-        policy.append(int((save and i not in views) or i in stateful))
-    return policy
+def test_torchtitans_policy_saves_every_other_matmul_and_attention(llama: ModelProfile) -> None:
+    stats = llama.modules["model.layers.0"].op_stats
+    policy = torchtitan_op_policy(stats)
+    names = stats.func_names
+    matmuls = [i for i, n in enumerate(names) if n == "aten.mm.default"]
+    assert len(matmuls) == 7  # q, k, v, o, gate, up, down
+    assert [policy[i] for i in matmuls] == [1, 0, 1, 0, 1, 0, 1]
+    attention = [i for i, n in enumerate(names) if "scaled_dot_product" in n]
+    assert attention and all(policy[i] for i in attention)
+    others = set(range(len(names))) - set(matmuls) - set(attention) - set(stats.stateful_ops)
+    assert not any(policy[i] for i in others)
 
 
 def test_never_slower_than_torchtitans_op_sac_where_it_fits(llama: ModelProfile) -> None:
     # torchtitan's op-level SAC of every decoder layer, priced by the plan's own cost model: at its peak and halfway
     # to the plain one, the solver's plan adds no more to the step (measured here: 0.29 and 0.12 ms against 1.15).
-    from lightning_sac.plan import ModuleDecision
-    from lightning_sac.solver.candidates import op_stats
-    from lightning_sac.solver.recompute import overhead_ms, recompute_ms, skipped_ops
-    from lightning_sac.solver.tradeoff import effective_memory
-
-    cands = {c.fqn: c for c in find_candidates(llama, None)}
-    constraints = memory_constraints(llama, {f: c.window for f, c in cands.items()})
-    per_op_us = llama.backend_overhead_us.get("sac", [0.0, 0.0])
-    decisions = {}
-    for fqn in [f"model.layers.{i}" for i in range(LAYERS)]:
-        stats = op_stats(llama, fqn)
-        policy = torchtitan_policy(stats.func_names, set(stats.view_like_ops), set(stats.stateful_ops))
-        assert 0 < sum(policy) < len(policy)
-        saved = sum(m for m, keep in zip(effective_memory(stats), policy, strict=True) if keep)
-        decisions[fqn] = ModuleDecision(
-            discard_ratio=1.0 - saved / max(sum(effective_memory(stats)), 1),
-            op_policy=policy,
-            recompute_ms=recompute_ms(stats, policy, "sac"),
-            overhead_ms=overhead_ms(stats, policy, "sac", per_op_us, llama.modules[fqn].measured_overhead.get("sac")),
-            freed_bytes=cands[fqn].retained - saved,
-            op_names=list(stats.func_names),
-            skipped_ops=skipped_ops(stats, policy),
-        )
-    peer_peak = plan_peak(llama, constraints, decisions, "sac")
-    peer_ms = sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
-    assert peer_peak < llama_plain_peak and peer_ms > 0
-    for budget in (peer_peak, (peer_peak + llama_plain_peak) // 2):
+    peer = peer_plans(llama)["torchtitan op-SAC"]
+    assert sorted(peer.decisions) == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert peer.peak_bytes < llama_plain_peak and peer.added_ms > 0
+    for budget in (peer.peak_bytes, (peer.peak_bytes + llama_plain_peak) // 2):
         plan = solve_plan(llama, budget / GIB)
         assert plan.predicted_peak_bytes <= budget
-        assert added_ms(plan) <= peer_ms, (budget, added_ms(plan), peer_ms)
+        assert added_ms(plan) <= peer.added_ms, (budget, added_ms(plan), peer.added_ms)

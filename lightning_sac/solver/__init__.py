@@ -7,7 +7,8 @@ the recompute each backend runs for it and what a sharded rank holds.
 from __future__ import annotations
 
 from lightning_sac.solver.candidates import find_candidates
-from lightning_sac.solver.knapsack import greedy_op_policy, least_kept_policy, optimal_op_policy
+from lightning_sac.solver.decisions import PeerPlan, peer_plans
+from lightning_sac.solver.knapsack import greedy_op_policy, least_kept_policy, optimal_op_policy, torchtitan_op_policy
 from lightning_sac.solver.memory_model import activation_windows, ddp_bucket_bytes, device_model
 from lightning_sac.solver.milp import solve_plan
 from lightning_sac.solver.recompute import recompute_ms, skipped_ops
@@ -15,6 +16,7 @@ from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 
 __all__ = [
     "ModuleTradeoff",
+    "PeerPlan",
     "activation_windows",
     "ddp_bucket_bytes",
     "device_model",
@@ -23,7 +25,9 @@ __all__ = [
     "least_kept_policy",
     "module_tradeoff",
     "optimal_op_policy",
+    "peer_plans",
     "recompute_ms",
     "skipped_ops",
     "solve_plan",
+    "torchtitan_op_policy",
 ]

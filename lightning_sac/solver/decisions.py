@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from lightning_sac.dryrun import ModelProfile, ModuleOpStats
 from lightning_sac.plan import ModuleDecision
-from lightning_sac.solver.candidates import Candidate, forward_temporaries, op_stats
+from lightning_sac.solver.candidates import Candidate, find_candidates, forward_temporaries, op_stats
 from lightning_sac.solver.highs import new_highs
-from lightning_sac.solver.knapsack import optimal_op_policy
+from lightning_sac.solver.knapsack import optimal_op_policy, torchtitan_op_policy
 from lightning_sac.solver.masks import masked_view, realize
-from lightning_sac.solver.memory_model import MemoryConstraint, constant_floor, peak_with_plan
+from lightning_sac.solver.memory_model import MemoryConstraint, constant_floor, memory_constraints, peak_with_plan
 from lightning_sac.solver.recompute import (
     overhead_ms,
     recompute_ms,
@@ -25,12 +26,15 @@ from lightning_sac.solver.tradeoff import effective_memory
 __all__ = [
     "LOWER_SHARES",
     "Found",
+    "PeerPlan",
     "alternative_plans",
     "lowest_plan",
     "past_the_stop_recomputed",
     "peer_choices",
+    "peer_plans",
     "plan_decisions",
     "plan_peak",
+    "policy_decisions",
     "whole_costs",
 ]
 
@@ -229,3 +233,69 @@ def alternative_plans(
     for chosen in peer_choices(profile, cands):
         decisions = plan_decisions(profile, cands, chosen, backend, per_op_us, measured, masks)
         yield decisions, plan_peak(profile, constraints, decisions, backend), "peer", 0.0
+
+
+def policy_decisions(
+    profile: ModelProfile,
+    cands: list[Candidate],
+    policies: dict[str, Sequence[int]],
+    backend: str,
+    per_op_us: list[float],
+    measured: dict[str, list[float] | None],
+) -> dict[str, ModuleDecision]:
+    """Given op policies (one per candidate module), as decisions: what each frees and costs by the plan's figures."""
+    by_fqn = {c.fqn: c for c in cands}
+    decisions = {}
+    for fqn, policy in policies.items():
+        stats = op_stats(profile, fqn)
+        memory = effective_memory(stats)
+        saved = sum(m for m, keep in zip(memory, policy, strict=True) if keep)
+        decisions[fqn] = ModuleDecision(
+            discard_ratio=1.0 - saved / max(sum(memory), 1),
+            op_policy=list(policy),
+            recompute_ms=recompute_ms(stats, policy, backend),
+            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[fqn]),
+            freed_bytes=by_fqn[fqn].retained - saved,
+            op_names=list(stats.func_names),
+            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
+        )
+    return decisions
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """A peer's plan priced by the solver's own figures, as a plan of its would be.
+
+    Attributes:
+        decisions: The peer's policy of each module it wraps.
+        peak_bytes: The step's tensors' peak under it.
+        added_ms: What it adds to the step: recompute and the backend's host overhead.
+    """
+
+    decisions: dict[str, ModuleDecision]
+    peak_bytes: int
+    added_ms: float
+
+
+def peer_plans(profile: ModelProfile, backend: str = "sac") -> dict[str, PeerPlan]:
+    """What users run today, priced like a plan: ``"full AC"`` and ``"torchtitan op-SAC"`` of the repeated blocks.
+
+    Full AC checkpoints each block of :func:`peer_choices` whole; torchtitan's op-level SAC gives each the policy
+    of :func:`~lightning_sac.solver.knapsack.torchtitan_op_policy`. At a peer's peak the solver's plan adds no more
+    than the peer's ``added_ms`` (its own figures); a measured comparison shows whether they hold. Empty when the
+    model has no repeated blocks that are all candidates.
+    """
+    cands = find_candidates(profile, None, backend=backend)
+    constraints = memory_constraints(profile, {c.fqn: c.window for c in cands})
+    per_op_us = profile.backend_overhead_us.get(backend, [0.0, 0.0])
+    measured = {c.fqn: profile.modules[c.fqn].measured_overhead.get(backend) for c in cands}
+    plans = {}
+    for chosen in peer_choices(profile, cands):
+        titan = {f: torchtitan_op_policy(op_stats(profile, f)) for f in chosen}
+        for name, decisions in (
+            ("full AC", plan_decisions(profile, cands, chosen, backend, per_op_us, measured, False)),
+            ("torchtitan op-SAC", policy_decisions(profile, cands, titan, backend, per_op_us, measured)),
+        ):
+            added = sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
+            plans[name] = PeerPlan(decisions, plan_peak(profile, constraints, decisions, backend), added)
+    return plans

@@ -11,7 +11,7 @@ from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.recompute import recompute_costs
 from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, recompute_units
 
-__all__ = ["greedy_op_policy", "least_kept_policy", "optimal_op_policy"]
+__all__ = ["greedy_op_policy", "least_kept_policy", "torchtitan_op_policy", "optimal_op_policy"]
 
 SAVE, RECOMPUTE = 1, 0
 
@@ -121,6 +121,25 @@ def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
     can be infeasible; this one never is.
     """
     return optimal_op_policy(stats, _min_budget(stats), backend)
+
+
+def torchtitan_op_policy(stats: ModuleOpStats) -> list[int]:
+    """The per-op policy torchtitan's op-level SAC gives a transformer block: a peer's choice, to price it.
+
+    It saves every other matrix product of a call (the 1st, 3rd, ...), attention's kernels and ``max``, and
+    recomputes the rest. Views are recomputed whatever the policy; ops the module must save (stateful ones) stay
+    saved, as in any policy (:func:`least_kept_policy`).
+    """
+    policy, matmuls = [], 0
+    views, stateful = set(stats.view_like_ops), set(stats.stateful_ops)
+    for i, name in enumerate(stats.func_names):
+        if name == "aten.mm.default":
+            matmuls += 1
+            save = matmuls % 2 == 1
+        else:
+            save = "scaled_dot_product" in name or name == "aten.max.default"
+        policy.append(int((save and i not in views) or i in stateful))
+    return policy
 
 
 def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:

@@ -73,8 +73,11 @@ def titan_op_sac(model: nn.Module) -> nn.Module:
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
             if func in MATMULS:
-                matmuls["n"] += 1
-                if matmuls["n"] % 2 == 0:
+                # Counted apart in forward and recompute, as torchtitan does: before torch 2.12 the recompute asks
+                # the policy again, and one count through both would answer it otherwise than the forward.
+                mode = "recompute" if getattr(ctx, "is_recompute", False) else "forward"
+                matmuls[mode] += 1
+                if matmuls[mode] % 2 == 0:
                     return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE if func in SAVED_BY_TITAN else CheckpointPolicy.PREFER_RECOMPUTE
 

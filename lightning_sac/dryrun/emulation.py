@@ -26,6 +26,7 @@ from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
 from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
 from lightning_sac.dryrun.cuda.sdpa import cuda_sdpa
+from lightning_sac.ops import composite_scratch
 from lightning_sac.sharding import check_tensor_parallel, is_sharded, unsharded_memo
 
 __all__ = ["CudaAttentionEmulation", "CudaEmulation", "cpu_output_bytes", "cpu_workspace_bytes", "fake_copy"]
@@ -159,7 +160,7 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     measured on the kernel (:mod:`lightning_sac.dryrun.cpu.kernels`). A pointwise op whose operands' dtypes
     differ (an fp32 residual plus a bf16 branch under autocast) converts them to the common dtype first
     (:mod:`lightning_sac.dryrun.cpu.promotion`). CTC's backward holds a tensor the size of the forward's
-    ``log_alpha``.
+    ``log_alpha``. A composite's own scratch (:func:`~lightning_sac.ops.composite_scratch`) as it allocates it.
     """
     scratch = kernel_scratch(func, args, kwargs, out)
     if scratch is not None:
@@ -171,6 +172,9 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     rnn = rnn_layer_memory(func, args, kwargs)
     if rnn is not None:
         return rnn.forward_scratch if func is aten.mkldnn_rnn_layer.default else rnn.backward_scratch
+    composite = composite_scratch(func, args)
+    if composite:
+        return sum(composite)
     return promotion_bytes(func, args, kwargs, out)
 
 

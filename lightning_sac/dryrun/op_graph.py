@@ -35,6 +35,7 @@ class OpRecord:
     storage_roots: tuple[int, ...]  # per output, the op that created its storage; -1: from outside
     stateful: bool = False  # writes a tensor that is not among its outputs (BatchNorm's running statistics)
     mask: tuple[int, float] | None = None  # random noise of 0 and 1: (bytes, ms) of its bool mask (profiling.noise)
+    workspace: int = 0  # bytes its kernel allocates and frees inside the call on the target
 
 
 @dataclass
@@ -186,6 +187,9 @@ class OpGraph:
                 stats.mask_ms.append(op.mask[1])
             if op.outputs and all(k in saved for k in op.outputs):
                 stats.saved_autograd_ops.append(i)
+            if op.workspace:
+                stats.workspace_ops.append(i)
+                stats.workspace_bytes.append(op.workspace)
             if op.inplace_parent is not None:
                 parent = op.inplace_parent - start
                 stats.inplace_ops.append((i, parent if 0 <= parent < i else i))

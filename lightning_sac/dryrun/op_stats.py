@@ -63,6 +63,9 @@ class ModuleOpStats:
             (:mod:`lightning_sac.solver.masks`).
         mask_bytes: Per mask op, the bytes its mask allocates on the target.
         mask_ms: Per mask op, what copying its mask back costs on the target, ms.
+        workspace_ops: Indices of ops whose kernel allocates and frees memory inside its call on the target (a
+            workspace, a composite's scratch): a recompute that reruns one holds it for that moment as well.
+        workspace_bytes: Per workspace op, those bytes.
     """
 
     func_names: list[str] = field(default_factory=list)
@@ -85,6 +88,8 @@ class ModuleOpStats:
     mask_ops: list[int] = field(default_factory=list)
     mask_bytes: list[int] = field(default_factory=list)
     mask_ms: list[float] = field(default_factory=list)
+    workspace_ops: list[int] = field(default_factory=list)
+    workspace_bytes: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:

@@ -276,6 +276,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             if added:
                 self._producer[id(st)] = len(self.graph.ops)
             keys.append(self._key(st))
+        workspace = 0
         if self.workspace is not None:
             workspace = self.workspace(func, args, kwargs, out)
             if workspace > 0 and trace is not None:
@@ -309,6 +310,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
                 inputs=self.graph.makers(inputs, settle=not held_back),
                 storage_roots=tuple(self._producer.get(id(t.untyped_storage()), -1) for t in outputs),
                 mask=noise_mask(func, args, self.estimator, self.spec.round_bytes) if rand else None,
+                workspace=workspace,
             )
             self.graph.append(record, outputs, inputs if held_back else None)
         return out

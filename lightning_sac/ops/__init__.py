@@ -7,6 +7,7 @@ decide on, so that the two agree on every op.
 from __future__ import annotations
 
 from lightning_sac.ops.aten import (
+    composite_scratch,
     flat_tensors,
     is_cached_cast,
     is_inplace,
@@ -20,6 +21,7 @@ from lightning_sac.ops.aten import (
 from lightning_sac.ops.noise import MASKABLE_OPS, is_maskable, noise_mask
 
 __all__ = [
+    "composite_scratch",
     "MASKABLE_OPS",
     "flat_tensors",
     "is_cached_cast",

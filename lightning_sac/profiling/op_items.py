@@ -31,6 +31,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
     """One record per op of ``stats``: its name, flags and counts as what it is, the rest as numbers."""
     sets = [set(getattr(stats, name)) for name in SETS]
     masks = {op: k for k, op in enumerate(stats.mask_ops)}
+    workspace = dict(zip(stats.workspace_ops, stats.workspace_bytes, strict=True))
     parents = dict(stats.inplace_ops)
     if len(parents) != len(stats.inplace_ops):
         raise ValueError("op_items: an op with two in-place parents")
@@ -47,6 +48,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
             i in parents,
             len(stats.op_inputs[i]),
             len(makers.get(i, ())),
+            i in workspace,
         )
         nums = (
             stats.runtimes[i],
@@ -56,6 +58,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
             *([parents[i]] if i in parents else []),
             *makers.get(i, ()),
             *([] if mask is None else [stats.mask_bytes[mask], stats.mask_ms[mask]]),
+            *([workspace[i]] if i in workspace else []),
         )
         items.append(Item(sig, nums))
     return items
@@ -63,8 +66,8 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
 
 def op_numbers(sig: Any) -> int:
     """How many numbers the record of an op with this ``sig`` has (see :func:`op_items`)."""
-    _, _, has_mask, has_parent, n_inputs, n_makers = sig
-    return 3 + n_inputs + int(has_parent) + n_makers + 2 * int(has_mask)
+    _, _, has_mask, has_parent, n_inputs, n_makers, has_workspace = sig
+    return 3 + n_inputs + int(has_parent) + n_makers + 2 * int(has_mask) + int(has_workspace)
 
 
 def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int | None) -> ModuleOpStats:
@@ -72,7 +75,7 @@ def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int
     out = ModuleOpStats(force_store_random=flags[0], output_saved_inside=flags[1], recompute_stop=recompute_stop)
     for i, item in enumerate(items):
         sig: tuple[Any, ...] = item.sig  # type: ignore[assignment]
-        name, flags, has_mask, has_parent, n_inputs, n_makers = sig
+        name, flags, has_mask, has_parent, n_inputs, n_makers, has_workspace = sig
         nums = list(item.nums)
         out.func_names.append(name)
         out.runtimes.append(nums[0])
@@ -90,6 +93,10 @@ def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int
             out.mask_ops.append(i)
             out.mask_bytes.append(int(nums[k]))
             out.mask_ms.append(nums[k + 1])
+            k += 2
+        if has_workspace:
+            out.workspace_ops.append(i)
+            out.workspace_bytes.append(int(nums[k]))
         for name_of_set, flag in zip(SETS, flags, strict=True):
             if flag:
                 getattr(out, name_of_set).append(i)

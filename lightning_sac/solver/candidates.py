@@ -194,6 +194,11 @@ class _Transient:
         self.outputs = output_indices(stats)
         self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
         self.alive += sum(m for i, m in enumerate(stats.memory) if stats.freed_at[i] >= 0)  # every temporary saved
+        self.scratch = np.zeros_like(self.alive)  # the workspace of each rerun op, for the moment it runs
+        # Each op's workspace, held while it reruns (as recompute_transient counts it).
+        self.workspace = {
+            i: w for i, w in zip(stats.workspace_ops, stats.workspace_bytes, strict=True) if i < self.stop
+        }
         for i, saved in enumerate(policy):
             if not saved:
                 self.recompute(i)
@@ -203,6 +208,8 @@ class _Transient:
         if not self.policy[i]:
             return
         self.policy[i] = 0
+        if i in self.workspace:
+            self.scratch[i] = self.workspace[i]
         size, freed = self.stats.memory[i], self.stats.freed_at[i]
         if not size:
             return
@@ -218,7 +225,7 @@ class _Transient:
 
     def value(self) -> int:
         """The transient of the current policy, bytes."""
-        return int(self.alive.max()) + rerun_output_bytes(self.stats, self.policy, self.backend)
+        return int((self.alive + self.scratch).max()) + rerun_output_bytes(self.stats, self.policy, self.backend)
 
 
 def more_candidates_hint(profile: ModelProfile) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_sac.dryrun import ModelProfile, ModuleOpStats
@@ -238,7 +238,7 @@ def alternative_plans(
 def policy_decisions(
     profile: ModelProfile,
     cands: list[Candidate],
-    policies: dict[str, Sequence[int]],
+    policies: Mapping[str, Sequence[int]],
     backend: str,
     per_op_us: list[float],
     measured: dict[str, list[float] | None],

@@ -45,7 +45,6 @@ __all__ = [
     "skipped_ops",
 ]
 
-#: The ways a plan can be applied (see :func:`lightning_sac.apply_plan`).
 #: Ops whose outputs depend on their tensor arguments' sizes, strides, dtypes and devices, not their values.
 SHAPE_ONLY_OPS: frozenset[str] = frozenset(
     f"aten.{name}.default"
@@ -226,7 +225,8 @@ def recompute_transient(
     the plain activations: the temporaries the policy saves (the checkpoint's cache keeps them from the forward
     on), the rerun ops' temporaries alive at ``i`` (for the same span as in the forward: the rerun is the same
     code), a second copy of the module's output once its output op reran (:func:`rerun_output_bytes`), less the
-    discarded activations not yet rebuilt. The highest of that over the rerun is the answer: it may be negative
+    discarded activations not yet rebuilt, and while a rerun op runs, its kernel's workspace
+    (:attr:`ModuleOpStats.workspace_ops`). The highest of that over the rerun is the answer: it may be negative
     when a recompute never rebuilds everything at once. With ``policy`` ``None`` every op counts as rerun.
     Counted for SAC (which reruns everything up to its early stop), an upper bound for the graph backend (which
     reruns only what backward unpacks and frees each node's cache at its last consumer). ``None`` for a profile
@@ -245,6 +245,9 @@ def recompute_transient(
     saved_temps += sum(masks[i] for i in masked)
     events: list[tuple[int, int]] = [(i + 1, -masks[i]) for i in masked]  # freed once the op has copied it back
     missing = 0  # discarded activations not rebuilt yet
+    workspace = zip(stats.workspace_ops, stats.workspace_bytes, strict=True)
+    scratch = {i: w for i, w in workspace if i < stop and (policy is None or not policy[i])}
+    events += [(i, 0) for i in scratch]  # a moment at each such op, after its index's frees and allocations
     for i in range(stop):
         m = stats.memory[i]
         if not m or (policy is not None and policy[i]):
@@ -255,9 +258,12 @@ def recompute_transient(
             missing += m
             events.append((i, m))
     alive = peak = saved_temps - missing  # before the rerun's first op
-    for _, delta in sorted(events):  # at one index, frees (negative) first
+    events.sort()  # at one index, frees (negative) first
+    for k, (index, delta) in enumerate(events):
         alive += delta
         peak = max(peak, alive)
+        if index in scratch and (k + 1 == len(events) or events[k + 1][0] != index):
+            peak = max(peak, alive + scratch[index])  # the op runs: its inputs and output alive, and its workspace
     return peak + rerun_output_bytes(stats, policy, backend)
 
 

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_sac.devices import DeviceSpec, driver_name_entry
 from lightning_sac.dryrun.cpu.scratch import call_signature, real_zeros_like
 from lightning_sac.dryrun.cuda.sdpa import attention_workspace_bytes
+from lightning_sac.ops import composite_scratch
 
 __all__ = [
     "BOUND_RATIOS",
@@ -225,7 +226,8 @@ class CudaWorkspace:
         """Bytes the kernel of ``func`` allocates and frees within this call on the target."""
         if func in CONVOLUTION_OPS:
             return self.convolution(func, args, kwargs, out) if self.convolution else bound_bytes(func, args, out)
-        return self.attention(func, args, kwargs, out)
+        # A composite's own scratch, each allocation in the caching allocator's blocks.
+        return self.attention(func, args, kwargs, out) + sum(_round(n) for n in composite_scratch(func, args))
 
 
 cudnn_workspace = CudnnWorkspace()

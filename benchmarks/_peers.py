@@ -32,6 +32,7 @@ SAVED_BY_TITAN = MATMULS | {
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten.max.default,  # in torchtitan's save list for its float8 scales
 }
 
 

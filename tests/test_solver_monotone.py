@@ -124,3 +124,12 @@ def test_never_slower_than_torchtitans_op_sac_where_it_fits(llama: ModelProfile)
         plan = solve_plan(llama, budget / GIB)
         assert plan.predicted_peak_bytes <= budget
         assert added_ms(plan) <= peer.added_ms, (budget, added_ms(plan), peer.added_ms)
+
+
+def test_torchtitans_policy_counts_a_linear_with_a_bias_as_a_matmul() -> None:
+    from lightning_sac.dryrun import ModuleOpStats
+
+    names = ["aten.addmm.default", "aten.view.default", "aten.mm.default", "aten.gelu.default", "aten.addmm.default"]
+    names += ["aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.addmm.default"]
+    stats = ModuleOpStats(func_names=names, view_like_ops=[1])
+    assert torchtitan_op_policy(stats) == [1, 0, 0, 0, 1, 1, 0]

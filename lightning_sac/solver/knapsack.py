@@ -126,20 +126,23 @@ def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
 def torchtitan_op_policy(stats: ModuleOpStats) -> list[int]:
     """The per-op policy torchtitan's op-level SAC gives a transformer block: a peer's choice, to price it.
 
-    It saves every other matrix product of a call (the 1st, 3rd, ...), attention's kernels and ``max``, and
-    recomputes the rest. Views are recomputed whatever the policy; ops the module must save (stateful ones) stay
-    saved, as in any policy (:func:`least_kept_policy`).
+    It saves every other matrix product of a call (the 1st, 3rd, ...; ``mm``, and ``addmm`` for a linear layer
+    with a bias), attention's kernels and ``max``, and recomputes the rest. Views are recomputed whatever the
+    policy; ops the module must save (stateful ones) stay saved, as in any policy (:func:`least_kept_policy`).
     """
     policy, matmuls = [], 0
     views, stateful = set(stats.view_like_ops), set(stats.stateful_ops)
     for i, name in enumerate(stats.func_names):
-        if name == "aten.mm.default":
+        if name in _MATMULS:
             matmuls += 1
             save = matmuls % 2 == 1
         else:
-            save = "scaled_dot_product" in name or name == "aten.max.default"
+            save = ("scaled_dot_product" in name and "backward" not in name) or name == "aten.max.default"
         policy.append(int((save and i not in views) or i in stateful))
     return policy
+
+
+_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 
 
 def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:

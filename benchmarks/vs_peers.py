@@ -208,8 +208,11 @@ def measured_peak(case: Case, model: nn.Module) -> int:
     return step.peak_bytes
 
 
-def time_rounds(case: Case, configs: list[Config], rounds: int) -> None:
-    """One step of each configuration per round, in a shuffled order; two warm-up rounds."""
+def time_rounds(case: Case, configs: list[Config], rounds: int, sync: Callable[[], None] = lambda: None) -> None:
+    """One step of each configuration per round, in a shuffled order; two warm-up rounds.
+
+    ``sync`` waits for the device before and after each step (``torch.cuda.synchronize`` on a GPU).
+    """
     inputs = model_inputs(case.batch)
     loss = model_loss(case.loss_fn)
     # Every timed copy is made here, together: copies made at different moments (before or after the profile's
@@ -220,8 +223,10 @@ def time_rounds(case: Case, configs: list[Config], rounds: int) -> None:
     for i in range(rounds + 2):
         shuffle.shuffle(order)
         for k in order:
+            sync()
             start = time.perf_counter()
             training_step(models[k], inputs, loss, opts[k])
+            sync()
             if i >= 2:
                 configs[k].times.append(time.perf_counter() - start)
     base = plain_times(configs[0], configs[1])

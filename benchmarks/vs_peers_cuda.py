@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import random
 import statistics
 import sys
 import time
@@ -33,7 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from _peers import full_ac, hf_gradient_checkpointing, titan_op_sac  # noqa: E402
 from torch import nn  # noqa: E402
-from vs_peers import GOALS, MIB, PEAK_GOAL, PEAK_SLACK, Case, Config, hf_llama, merged, overhead, plain_times  # noqa: E402
+from vs_peers import (  # noqa: E402
+    GOALS,
+    MIB,
+    PEAK_GOAL,
+    PEAK_SLACK,
+    Case,
+    Config,
+    hf_llama,
+    merged,
+    overhead,
+    plain_times,
+    time_rounds,
+)
 from vs_peers import ratio_band as band_of  # noqa: E402
 
 from lightning_sac import BudgetError, ModelProfile, Plan, profile_model, solve_plan  # noqa: E402
@@ -91,26 +102,6 @@ def applied(case: Case, plan: Plan) -> nn.Module:
     return model
 
 
-def time_rounds(case: Case, configs: list[Config], rounds: int) -> None:
-    """One step of each configuration per round, in a shuffled order, each between two synchronizations."""
-    inputs, loss = model_inputs(case.batch), model_loss(case.loss_fn)
-    models = [c.make() for c in configs]
-    opts = [case.optimizer(m.parameters()) for m in models]
-    order, shuffle = list(range(len(configs))), random.Random(0)
-    for i in range(rounds + 2):
-        shuffle.shuffle(order)
-        for k in order:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            training_step(models[k], inputs, loss, opts[k])
-            torch.cuda.synchronize()
-            if i >= 2:
-                configs[k].times.append(time.perf_counter() - start)
-    base = plain_times(configs[0], configs[1])
-    for c in configs:
-        c.overhead = overhead(c.times, base)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -155,7 +146,7 @@ def main() -> None:
     for o in planned:
         o.peak = measured_peak(case, o.make())
     configs += planned
-    time_rounds(case, configs, args.rounds)
+    time_rounds(case, configs, args.rounds, sync=torch.cuda.synchronize)
     base = plain_times(configs[0], configs[1])
     print(
         f"{case.name}, batch {args.batch} x {args.seq}, fp32, AdamW, {torch.cuda.get_device_name()} (torch "

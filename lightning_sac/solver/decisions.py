@@ -125,17 +125,33 @@ def plan_decisions(
         if c.retained - saved <= 0:
             continue  # chosen at its minimum discard: wrapping it would cost time and free nothing
         policy, masked = realize(stats, found, backend) if masks else (found, [])
-        decisions[c.fqn] = ModuleDecision(
-            discard_ratio=discard,
-            op_policy=policy,
-            recompute_ms=recompute_ms(stats, policy, backend, masked),
-            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[c.fqn], masked),
-            freed_bytes=c.retained - saved,
-            op_names=list(stats.func_names),
-            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
-            masked_ops=masked,
+        decisions[c.fqn] = _priced(
+            stats, policy, discard, c.retained - saved, backend, per_op_us, measured[c.fqn], masked
         )
     return decisions
+
+
+def _priced(
+    stats: ModuleOpStats,
+    policy: list[int],
+    discard: float,
+    freed: int,
+    backend: str,
+    per_op_us: list[float],
+    measured: list[float] | None,
+    masked: list[int],
+) -> ModuleDecision:
+    """A module's decision under ``policy``: its recompute and overhead by the plan's figures."""
+    return ModuleDecision(
+        discard_ratio=discard,
+        op_policy=policy,
+        recompute_ms=recompute_ms(stats, policy, backend, masked),
+        overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured, masked),
+        freed_bytes=freed,
+        op_names=list(stats.func_names),
+        skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
+        masked_ops=masked,
+    )
 
 
 def _minimum_peak(
@@ -250,15 +266,9 @@ def policy_decisions(
         stats = op_stats(profile, fqn)
         memory = effective_memory(stats)
         saved = sum(m for m, keep in zip(memory, policy, strict=True) if keep)
-        decisions[fqn] = ModuleDecision(
-            discard_ratio=1.0 - saved / max(sum(memory), 1),
-            op_policy=list(policy),
-            recompute_ms=recompute_ms(stats, policy, backend),
-            overhead_ms=overhead_ms(stats, policy, backend, per_op_us, measured[fqn]),
-            freed_bytes=by_fqn[fqn].retained - saved,
-            op_names=list(stats.func_names),
-            skipped_ops=skipped_ops(stats, policy) if backend == "sac" else [],
-        )
+        discard = 1.0 - saved / max(sum(memory), 1)
+        freed = by_fqn[fqn].retained - saved
+        decisions[fqn] = _priced(stats, list(policy), discard, freed, backend, per_op_us, measured[fqn], [])
     return decisions
 
 

@@ -14,6 +14,8 @@ from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, rec
 __all__ = ["greedy_op_policy", "least_kept_policy", "torchtitan_op_policy", "optimal_op_policy"]
 
 SAVE, RECOMPUTE = 1, 0
+# The matrix products torchtitan's op-level SAC counts (torchtitan_op_policy): a linear with a bias runs addmm.
+_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 
 # Identical blocks of a deep model ask the same knapsack (same stats, same budget): one HiGHS run serves them all.
 _CACHE: dict[tuple[object, ...], list[int]] = {}
@@ -140,9 +142,6 @@ def torchtitan_op_policy(stats: ModuleOpStats) -> list[int]:
             save = ("scaled_dot_product" in name and "backward" not in name) or name == "aten.max.default"
         policy.append(int((save and i not in views) or i in stateful))
     return policy
-
-
-_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 
 
 def greedy_op_policy(stats: ModuleOpStats, memory_budget: float, backend: str = "sac") -> list[int]:

@@ -9,8 +9,9 @@
 * Hugging Face's ``gradient_checkpointing_enable()`` with its defaults, where the model has it.
 
 Each is written here from what those projects document and do, not imported: torchtitan is not a dependency,
-and its current version names tensors instead of counting matmuls. Wrapping sets an instance ``forward`` that
-calls the class's forward, so parameters and their names do not change.
+and its current version names tensors instead of counting matmuls. torchtitan's rule for one op is the package's
+:func:`lightning_sac.solver.torchtitan_saves`, the same one our cost model prices that peer's plan with. Wrapping
+sets an instance ``forward`` that calls the class's forward, so parameters and their names do not change.
 """
 
 from __future__ import annotations
@@ -23,17 +24,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["MATMULS", "SAVED_BY_TITAN", "full_ac", "hf_gradient_checkpointing", "titan_op_sac", "transformer_blocks"]
+from lightning_sac.solver import TITAN_MATMULS, torchtitan_saves
 
-aten = torch.ops.aten
-MATMULS = {aten.mm.default, aten.addmm.default}
-SAVED_BY_TITAN = MATMULS | {
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten.max.default,  # in torchtitan's save list for its float8 scales
-}
+__all__ = ["full_ac", "hf_gradient_checkpointing", "titan_op_sac", "transformer_blocks"]
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -53,10 +46,10 @@ def _wrap(module: nn.Module, context_fn: Callable[[], Any] | None) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        extra = {} if context_fn is None else {"context_fn": context_fn}
+        extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 def full_ac(model: nn.Module) -> nn.Module:
@@ -73,14 +66,13 @@ def titan_op_sac(model: nn.Module) -> nn.Module:
         matmuls: Counter[str] = Counter()  # fresh per call of the block, as torchtitan's per-call counter
 
         def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            if func in MATMULS:
-                # Counted apart in forward and recompute, as torchtitan does: before torch 2.12 the recompute asks
-                # the policy again, and one count through both would answer it otherwise than the forward.
-                mode = "recompute" if getattr(ctx, "is_recompute", False) else "forward"
-                matmuls[mode] += 1
-                if matmuls[mode] % 2 == 0:
-                    return CheckpointPolicy.PREFER_RECOMPUTE
-            return CheckpointPolicy.MUST_SAVE if func in SAVED_BY_TITAN else CheckpointPolicy.PREFER_RECOMPUTE
+            name = str(func)
+            # Counted apart in forward and recompute, as torchtitan does: before torch 2.12 the recompute asks the
+            # policy again, and one count through both would answer it otherwise than the forward.
+            mode = "recompute" if getattr(ctx, "is_recompute", False) else "forward"
+            matmuls[mode] += name in TITAN_MATMULS
+            saves = torchtitan_saves(name, matmuls[mode])
+            return CheckpointPolicy.MUST_SAVE if saves else CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import itertools
 import math
 import os
@@ -146,7 +147,7 @@ def hf_llama(args: argparse.Namespace) -> Case:
         num_key_value_heads=4,
         max_position_embeddings=args.seq,
         attention_dropout=args.dropout,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # type: ignore[call-arg]  # a PretrainedConfig keyword the stubs leave out
         use_cache=False,
     )
     ids = torch.randint(3, config.vocab_size, (args.batch, args.seq))
@@ -275,8 +276,10 @@ def ours(
     """
     peers = [peer] if peer else []
     if compiled:
-        plan = compiled_plan(case, profile, budget, label)
-        return None if plan is None else Config(label, lambda: _Compiled(applied(case, plan)), plan=plan, peers=peers)
+        found = compiled_plan(case, profile, budget, label)
+        if found is None:
+            return None
+        return Config(label, lambda: _Compiled(applied(case, found)), plan=found, peers=peers)
     try:
         plan = solve_plan(profile, budget / GIB)
     except BudgetError as err:
@@ -305,6 +308,13 @@ def merged(planned: list[Config]) -> list[Config]:
         same.peers += o.peers
         same.name = f"{same.name} = {o.name.removeprefix('ours @ ')}"
     return out
+
+
+def _peer_copy(wrap: Callable[[nn.Module], nn.Module | None], case: Case) -> nn.Module:
+    """A fresh copy of the model with a peer's checkpointing (one the model has: checked when the peer is listed)."""
+    model = wrap(copy.deepcopy(case.model))
+    assert model is not None
+    return model
 
 
 def applied(case: Case, plan: Plan) -> nn.Module:
@@ -378,12 +388,12 @@ def main() -> None:  # noqa: C901, PLR0915
         args.dropout = 0.1 if args.model == "gpt" else 0.0
     case = (demo_gpt if args.model == "gpt" else hf_llama)(args)
 
-    def plain() -> nn.Module:
+    def plain_copy() -> nn.Module:
         return _Compiled(copy.deepcopy(case.model)) if args.compile else copy.deepcopy(case.model)
 
     # A second plain copy, timed like the others: its overhead is the noise floor of this machine and method.
-    configs = [Config("plain", plain), Config("plain B", plain)]
-    configs[0].peak = configs[1].peak = measured_peak(case, plain())
+    configs = [Config("plain", plain_copy), Config("plain B", plain_copy)]
+    configs[0].peak = configs[1].peak = measured_peak(case, plain_copy())
     if args.compile:
         for name, make in compile_peers(case, args.compile_budgets).items():
             configs.append(Config(name, make))
@@ -392,7 +402,7 @@ def main() -> None:  # noqa: C901, PLR0915
         wrapped = wrap(copy.deepcopy(case.model))
         if wrapped is None:  # the model has no such checkpointing (Hugging Face's, on the demo GPT)
             continue
-        configs.append(Config(name, lambda wrap=wrap: wrap(copy.deepcopy(case.model))))
+        configs.append(Config(name, functools.partial(_peer_copy, wrap, case)))
         configs[-1].peak = measured_peak(case, wrapped)
     start = time.perf_counter()
     profile = profile_model(

@@ -143,8 +143,10 @@ class CheckpointedGPT(GPT):
                 torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # what SM 9.0 runs
             )
             keep = op == torch.ops.aten.mm.default or op in attention
-            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else (
-                torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+            return (
+                torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+                if keep
+                else torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
             )
 
         for block in self.blocks:

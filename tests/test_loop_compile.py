@@ -32,6 +32,7 @@ from torch._dynamo.utils import counters
 
 from lightning_sac import AutoSAC, apply_plan, profile_model, solve_plan
 from lightning_sac.adapters.compiled import compiled_parts, uncompiled
+from lightning_sac.apply import compiled_step_memory
 from lightning_sac.apply.planned import PlannedForward
 from lightning_sac.demos import GPT, GPTConfig
 from lightning_sac.demos.lightning import GPTModule
@@ -231,22 +232,29 @@ def test_ops_compile_traces_otherwise_are_recomputed_and_said_once():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
     idx = torch.randint(0, 64, (8, 16))
     prof = profile_model(model, (idx,), device="cpu")
-    plan = solve_plan(prof, 0.95 * prof.peak_bytes / GIB)
+    plan = solve_plan(prof, 0.8 * prof.peak_bytes / GIB)
     plain, plain_loss, plain_grads = _step_graphs(copy.deepcopy(model), idx)
     planned_model = copy.deepcopy(model)
     handle = apply_plan(planned_model, plan)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, loss, grads = _step_graphs(planned_model, idx)
-        _step_graphs(planned_model, idx)  # compiled again: still one warning per module
+        _step_graphs(planned_model, idx)  # compiled again: still one warning
     said = [str(w.message) for w in caught if "under torch.compile" in str(w.message)]
-    assert len(said) == len(plan.decisions) >= 1
-    for fqn, wrapper in handle.wrappers.items():
+    # One warning for the plan, not one per module (a deep model's blocks all trace alike), naming the first.
+    assert len(plan.decisions) >= 2 and len(said) == 1
+    assert next(iter(handle.wrappers)) in said[0] and "aten.native_dropout.default" in said[0]
+    for wrapper in handle.wrappers.values():  # each module's own trace is kept on its wrapper
         trace = wrapper.last_trace
         assert wrapper.traces == 2 and trace is not None and not trace.matches
         assert "aten.native_dropout.default" in trace.unplanned
         assert {"aten.bernoulli_.float", "aten.empty_like.default"} <= set(trace.not_traced)
-        assert any(fqn in s and "aten.native_dropout.default" in s for s in said)
+    # The planner's trace of a copy with the plan (each plan of a compiled fit's search) says nothing: the plan
+    # applied to the model says it at its own first trace.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_step_memory(model, lambda m, mode: m(mode.from_tensor(idx)).logsumexp(-1).mean(), plan, whole=True)
+    assert not [w for w in caught if "under torch.compile" in str(w.message)]
     # Recomputed random ops replay their generator state (AOT autograd's rng functionalization): same numbers.
     assert loss == plain_loss
     for g, h in zip(grads, plain_grads, strict=True):

@@ -348,4 +348,3 @@ def test_without_stand_ins_the_step_is_dry_run_once(monkeypatch):
     monkeypatch.setattr(dry_run, "record_step", lambda *a, **k: runs.append(1) or record_step(*a, **k))
     profile = profile_model(ItemLoggingNet(log_norms=False), (torch.randn(4, 64),), device="cpu")
     assert profile.placeholders == [] and len(runs) == 1
-

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy as copying
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -257,13 +258,17 @@ def compiled_step_memory(
     # bytes), and past its recompile limit training would run its frames uncompiled. So sizes stay static, and the
     # entries are dropped after the trace (torch._dynamo.reset: compiled code of the model from before is
     # recompiled at its next call).
+    # The copy's wrappers say when compile traces other ops than the plan's; the plan applied to the model says the
+    # same at its own first trace, so the copy's (once per plan tried, in a search) would only repeat it.
     try:
         with (
+            warnings.catch_warnings(),
             torch._inductor.config.patch(fx_graph_cache=False),
             torch._functorch.config.patch(enable_autograd_cache=False),
             torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True),
             mode,
         ):
+            warnings.filterwarnings("ignore", message="lightning-sac: under torch.compile, module")
             loss = run_step(copy, mode)
             loss.backward()
     finally:

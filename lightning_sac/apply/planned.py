@@ -242,13 +242,15 @@ class PlannedForward:
         self.traces += 1
         self.last_trace = report
         if not report.matches:
+            # One warning for the plan, not one per module: the blocks of a deep model trace alike.
             self.notices.warn(
-                f"compile:{self.fqn}",
+                "compile",
                 f"lightning-sac: under torch.compile, module {self.fqn!r} traces other ops than the eager step the "
                 f"plan was made for (compile decomposes or fuses some): {report.describe(len(self.names))}. Ops are "
                 "matched to the plan by op and occurrence: matched ones are saved or recomputed as planned, the "
                 "others are recomputed, which keeps no more than without a plan but may recompute more than "
-                "planned. (Warned once.)",
+                "planned. (Warned once for the plan; each planned module's last trace is its wrapper's "
+                "`last_trace`, in the handle apply_plan returned.)",
             )
 
     def run_traced(self, /, *args: Any, **kwargs: Any) -> Any:

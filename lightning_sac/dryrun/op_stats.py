@@ -91,6 +91,13 @@ class ModuleOpStats:
     workspace_ops: list[int] = field(default_factory=list)
     workspace_bytes: list[int] = field(default_factory=list)
 
+    def rerun_workspaces(self, stop: int) -> dict[int, int]:
+        """Workspace bytes by op index, for the ops before ``stop`` (a recompute's early stop).
+
+        Each rerun op holds its own while it runs, in a recompute as in the step.
+        """
+        return {i: w for i, w in zip(self.workspace_ops, self.workspace_bytes, strict=True) if i < stop}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModuleOpStats:
         """Rebuild from :func:`dataclasses.asdict` output (JSON turns the pairs into lists)."""

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from lightning_sac.solver.candidates import find_candidates
 from lightning_sac.solver.decisions import PeerPlan, peer_plans
-from lightning_sac.solver.knapsack import greedy_op_policy, least_kept_policy, optimal_op_policy, torchtitan_op_policy
+from lightning_sac.solver.knapsack import (
+    TITAN_MATMULS,
+    greedy_op_policy,
+    least_kept_policy,
+    optimal_op_policy,
+    torchtitan_op_policy,
+    torchtitan_saves,
+)
 from lightning_sac.solver.memory_model import activation_windows, ddp_bucket_bytes, device_model
 from lightning_sac.solver.milp import solve_plan
 from lightning_sac.solver.recompute import recompute_ms, skipped_ops
 from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 
 __all__ = [
+    "TITAN_MATMULS",
     "ModuleTradeoff",
     "PeerPlan",
     "activation_windows",
@@ -30,4 +38,5 @@ __all__ = [
     "skipped_ops",
     "solve_plan",
     "torchtitan_op_policy",
+    "torchtitan_saves",
 ]

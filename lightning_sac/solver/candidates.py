@@ -195,10 +195,7 @@ class _Transient:
         self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
         self.alive += sum(m for i, m in enumerate(stats.memory) if stats.freed_at[i] >= 0)  # every temporary saved
         self.scratch = np.zeros_like(self.alive)  # the workspace of each rerun op, for the moment it runs
-        # Each op's workspace, held while it reruns (as recompute_transient counts it).
-        self.workspace = {
-            i: w for i, w in zip(stats.workspace_ops, stats.workspace_bytes, strict=True) if i < self.stop
-        }
+        self.workspace = stats.rerun_workspaces(self.stop)  # as recompute_transient counts them
         for i, saved in enumerate(policy):
             if not saved:
                 self.recompute(i)

@@ -11,11 +11,18 @@ from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.recompute import recompute_costs
 from lightning_sac.solver.tradeoff import effective_memory, module_tradeoff, recompute_units
 
-__all__ = ["greedy_op_policy", "least_kept_policy", "torchtitan_op_policy", "optimal_op_policy"]
+__all__ = [
+    "TITAN_MATMULS",
+    "greedy_op_policy",
+    "least_kept_policy",
+    "optimal_op_policy",
+    "torchtitan_op_policy",
+    "torchtitan_saves",
+]
 
 SAVE, RECOMPUTE = 1, 0
-# The matrix products torchtitan's op-level SAC counts (torchtitan_op_policy): a linear with a bias runs addmm.
-_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
+# The matrix products torchtitan's op-level SAC counts (torchtitan_saves): a linear with a bias runs addmm.
+TITAN_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 
 # Identical blocks of a deep model ask the same knapsack (same stats, same budget): one HiGHS run serves them all.
 _CACHE: dict[tuple[object, ...], list[int]] = {}
@@ -125,22 +132,33 @@ def least_kept_policy(stats: ModuleOpStats, backend: str = "sac") -> list[int]:
     return optimal_op_policy(stats, _min_budget(stats), backend)
 
 
+def torchtitan_saves(op_name: str, matmuls: int) -> bool:
+    """Whether torchtitan's op-level SAC saves an op's output: the rule of :func:`torchtitan_op_policy`, one op.
+
+    It saves every other matrix product of a call (the 1st, 3rd, ...; ``mm``, and ``addmm`` for a linear layer
+    with a bias), attention's kernels and ``max``, and recomputes the rest. A runtime policy (the peer itself, in
+    ``benchmarks/_peers.py``) and the priced one share this rule.
+
+    Args:
+        op_name: The op overload's name, as ``str(op)`` gives it (``"aten.mm.default"``).
+        matmuls: How many of :data:`TITAN_MATMULS` the call has run so far, this op included.
+    """
+    if op_name in TITAN_MATMULS:
+        return matmuls % 2 == 1
+    return ("scaled_dot_product" in op_name and "backward" not in op_name) or op_name == "aten.max.default"
+
+
 def torchtitan_op_policy(stats: ModuleOpStats) -> list[int]:
     """The per-op policy torchtitan's op-level SAC gives a transformer block: a peer's choice, to price it.
 
-    It saves every other matrix product of a call (the 1st, 3rd, ...; ``mm``, and ``addmm`` for a linear layer
-    with a bias), attention's kernels and ``max``, and recomputes the rest. Views are recomputed whatever the
-    policy; ops the module must save (stateful ones) stay saved, as in any policy (:func:`least_kept_policy`).
+    Each op as :func:`torchtitan_saves` says. Views are recomputed whatever the policy; ops the module must save
+    (stateful ones) stay saved, as in any policy (:func:`least_kept_policy`).
     """
     policy, matmuls = [], 0
     views, stateful = set(stats.view_like_ops), set(stats.stateful_ops)
     for i, name in enumerate(stats.func_names):
-        if name in _MATMULS:
-            matmuls += 1
-            save = matmuls % 2 == 1
-        else:
-            save = ("scaled_dot_product" in name and "backward" not in name) or name == "aten.max.default"
-        policy.append(int((save and i not in views) or i in stateful))
+        matmuls += name in TITAN_MATMULS
+        policy.append(int((torchtitan_saves(name, matmuls) and i not in views) or i in stateful))
     return policy
 
 

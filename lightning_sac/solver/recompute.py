@@ -245,8 +245,7 @@ def recompute_transient(
     saved_temps += sum(masks[i] for i in masked)
     events: list[tuple[int, int]] = [(i + 1, -masks[i]) for i in masked]  # freed once the op has copied it back
     missing = 0  # discarded activations not rebuilt yet
-    workspace = zip(stats.workspace_ops, stats.workspace_bytes, strict=True)
-    scratch = {i: w for i, w in workspace if i < stop and (policy is None or not policy[i])}
+    scratch = {i: w for i, w in stats.rerun_workspaces(stop).items() if policy is None or not policy[i]}
     events += [(i, 0) for i in scratch]  # a moment at each such op, after its index's frees and allocations
     for i in range(stop):
         m = stats.memory[i]

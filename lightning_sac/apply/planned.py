@@ -14,7 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from lightning_sac.adapters import CacheCall, layer_indices, without_kv_caches
 from lightning_sac.apply.traced import TraceReport, traced_contexts
-from lightning_sac.ops import flat_tensors, is_random, mutated_tensors, op_name
+from lightning_sac.ops import flat_tensors, is_random, may_draw, mutated_tensors, op_name
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.sharding import in_parallel_hook
 
@@ -128,6 +128,11 @@ class PlannedForward:
         self.names = list(decision.op_names)
         self.save = [bool(x) for x in decision.op_policy]
         self.masked = frozenset(decision.masked_ops)
+        # Per op index, the op an earlier call ran there, matching the profile, and whether it can draw random
+        # numbers: a later call that runs the same op object there skips the name and schema lookups (the policy
+        # is asked about every op of every call, and its host time adds to the step's).
+        self.seen: list[Any] = [None] * len(self.names)
+        self.draws = [True] * len(self.names)
         # The class's forward, bound to the module: an instance attribute "forward" would recurse.
         self.inner: Callable[..., Any] = type(module).forward.__get__(module)
         self.notices = notices or Notices()
@@ -155,17 +160,19 @@ class PlannedForward:
             return CheckpointPolicy.PREFER_RECOMPUTE
         i = state.index
         state.index += 1
-        if state.mismatch is None:
+        if state.mismatch is None and (i >= len(self.seen) or func is not self.seen[i]):
             expected = self.names[i] if i < len(self.names) else "the end of the profiled ops"
             if op_name(func) != expected:
                 state.mismatch = f"op {i} is {op_name(func)}, the profile has {expected}"
+            else:
+                self.seen[i], self.draws[i] = func, may_draw(func)
         kwargs = kwargs or {}
         if state.mismatch is None:
             save = self.save[i]
             if i in self.masked and isinstance(output, torch.Tensor):
                 # Kept as a mask, recomputed by SAC: the recompute copies it back (apply.skip_dead).
                 state.masks.append(output.to(torch.bool))
-            if state.random_saved is None and is_random(func, args, kwargs):
+            if state.random_saved is None and self.draws[i] and is_random(func, args, kwargs):
                 # A masked draw is not drawn again either: later draws must not be redrawn (fallback).
                 state.random_saved = save or i in self.masked
         else:

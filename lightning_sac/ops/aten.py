@@ -27,6 +27,7 @@ __all__ = [
     "is_random",
     "is_sac_ignored",
     "is_view_like",
+    "may_draw",
     "mutated_tensors",
     "op_name",
     "undeclared_writes",
@@ -199,6 +200,11 @@ def _random_kind(func: Any) -> str:
     if any(a.name == "dropout_p" for a in func._schema.arguments):
         return "dropout_p"
     return "always" if torch.Tag.nondeterministic_seeded in func.tags else "never"
+
+
+def may_draw(func: Any) -> bool:
+    """Whether ``func`` can draw from the random number generator in some call (:func:`is_random` says for one)."""
+    return _random_kind(func) != "never"
 
 
 def is_random(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

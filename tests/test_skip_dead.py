@@ -198,3 +198,31 @@ def test_a_llama_layer_has_nothing_to_skip_and_its_recompute_is_torchs_early_sto
         ours.zero_grad(set_to_none=True)
         theirs.zero_grad(set_to_none=True)
     assert all(w.whole and w.mismatched_calls == 0 for w in handle.wrappers.values())
+
+
+def test_the_peers_are_priced_with_the_dead_projection_torchs_checkpoint_reruns(family_and_profile):
+    # Full AC and torchtitan's op-SAC run torch's checkpoint, which reruns the MLP projection only dropout reads the
+    # shape of (FLOPs counted above): priced by our figures, each peer pays it, and our plan of the same blocks
+    # whole (full AC's own choice, as the solver weighs it) does not.
+    from lightning_sac.solver import peer_plans
+
+    _, profile = family_and_profile
+    peers = peer_plans(profile)
+    full, titan = peers["full AC"], peers["torchtitan op-SAC"]
+    blocks = _blocks(profile)
+    assert sorted(full.decisions) == sorted(titan.decisions) == sorted(blocks)
+    dead = 0.0
+    for f in blocks:
+        stats = profile.modules[f].op_stats
+        (projection,) = skipped_ops(stats, None)
+        everything = [0] * len(stats.func_names)
+        assert full.decisions[f].skipped_ops == [] and titan.decisions[f].skipped_ops == []
+        # Full AC reruns every op to the early stop, the projection with them: the graph backend's rerun here.
+        assert full.decisions[f].recompute_ms == pytest.approx(recompute_ms(stats, everything, "graph"), abs=1e-9)
+        assert titan.decisions[f].op_policy[projection] == 0  # torchtitan saves every other matmul: not this one
+        dead += stats.runtimes[projection]
+    assert dead > 0
+    ours = solve_plan(profile, full.peak_bytes * 1.0075 / GIB)
+    assert ours.predicted_peak_bytes <= full.peak_bytes * 1.0075
+    added = ours.predicted_recompute_ms + ours.predicted_overhead_ms
+    assert added <= full.added_ms - dead + 1e-9, (added, full.added_ms, dead)

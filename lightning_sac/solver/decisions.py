@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_sac.dryrun import ModelProfile, ModuleOpStats
 from lightning_sac.plan import ModuleDecision
@@ -272,6 +272,14 @@ def policy_decisions(
     return decisions
 
 
+def _rerun_all(stats: ModuleOpStats, decision: ModuleDecision) -> ModuleDecision:
+    """``decision`` as torch's checkpoint runs it: its recompute stops early but skips no dead op (ours does)."""
+    if not decision.skipped_ops:
+        return decision
+    dead = sum(stats.runtimes[i] for i in decision.skipped_ops)
+    return replace(decision, recompute_ms=decision.recompute_ms + dead, skipped_ops=[])
+
+
 @dataclass(frozen=True)
 class PeerPlan:
     """A peer's plan priced by the solver's own figures, as a plan of its would be.
@@ -291,8 +299,10 @@ def peer_plans(profile: ModelProfile, backend: str = "sac") -> dict[str, PeerPla
     """What users run today, priced like a plan: ``"full AC"`` and ``"torchtitan op-SAC"`` of the repeated blocks.
 
     Full AC checkpoints each block of :func:`peer_choices` whole; torchtitan's op-level SAC gives each the policy
-    of :func:`~lightning_sac.solver.knapsack.torchtitan_op_policy`. At a peer's peak the solver's plan adds no more
-    than the peer's ``added_ms`` (its own figures); a measured comparison shows whether they hold. Empty when the
+    of :func:`~lightning_sac.solver.knapsack.torchtitan_op_policy`. Both recompute as torch's checkpoint does: up
+    to its early stop, every op not saved, the dead ones too (our backend skips those, :func:`skipped_ops`; a
+    block whose dropout follows its last projection has one). At a peer's peak the solver's plan adds no more than
+    the peer's ``added_ms`` (its own figures); a measured comparison shows whether they hold. Empty when the
     model has no repeated blocks that are all candidates.
     """
     cands = find_candidates(profile, None, backend=backend)
@@ -306,6 +316,7 @@ def peer_plans(profile: ModelProfile, backend: str = "sac") -> dict[str, PeerPla
             ("full AC", plan_decisions(profile, cands, chosen, backend, per_op_us, measured, False)),
             ("torchtitan op-SAC", policy_decisions(profile, cands, titan, backend, per_op_us, measured)),
         ):
+            decisions = {f: _rerun_all(op_stats(profile, f), d) for f, d in decisions.items()}
             added = sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
             plans[name] = PeerPlan(decisions, plan_peak(profile, constraints, decisions, backend), added)
     return plans

@@ -226,3 +226,26 @@ def test_the_peers_are_priced_with_the_dead_projection_torchs_checkpoint_reruns(
     assert ours.predicted_peak_bytes <= full.peak_bytes * 1.0075
     added = ours.predicted_recompute_ms + ours.predicted_overhead_ms
     assert added <= full.added_ms - dead + 1e-9, (added, full.added_ms, dead)
+
+
+def test_a_peers_dead_ops_cost_their_op_times_and_a_selective_policys_measured_rerun_share(family_and_profile):
+    from lightning_sac.solver.decisions import _rerun_all
+
+    _, profile = family_and_profile
+    stats = profile.modules[_blocks(profile)[0]].op_stats
+    (projection,) = skipped_ops(stats, None)
+    dead = stats.runtimes[projection]
+    n = len(stats.func_names)
+    for policy, share in (([1] + [0] * (n - 1), 0.5), ([0] * n, 0.0)):  # selective: x1.5 measured; plain: its time
+        ours = ModuleDecision(
+            discard_ratio=1.0,
+            op_policy=policy,
+            recompute_ms=10.0,
+            overhead_ms=2.0,
+            freed_bytes=0,
+            skipped_ops=[projection],
+        )
+        peer = _rerun_all(stats, ours, [2.0, 1.5, 30.0])
+        assert peer.skipped_ops == [] and peer.recompute_ms == pytest.approx(10.0 + dead, abs=1e-12)
+        assert peer.overhead_ms == pytest.approx(2.0 + share * dead, abs=1e-12)
+    assert _rerun_all(stats, peer, None) is peer  # nothing skipped: as it is

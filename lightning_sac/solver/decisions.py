@@ -272,12 +272,23 @@ def policy_decisions(
     return decisions
 
 
-def _rerun_all(stats: ModuleOpStats, decision: ModuleDecision) -> ModuleDecision:
-    """``decision`` as torch's checkpoint runs it: its recompute stops early but skips no dead op (ours does)."""
+def _rerun_all(stats: ModuleOpStats, decision: ModuleDecision, measured: list[float] | None) -> ModuleDecision:
+    """``decision`` as torch's checkpoint runs it: its recompute stops early but skips no dead op (ours does).
+
+    A selective policy's measured share of the rerun beyond the op times (``measured[1]``, see
+    :func:`~lightning_sac.solver.recompute.overhead_ms`) applies to the dead ops too; a plain checkpoint's
+    measured time is our rerun's whole, to which they add their op times.
+    """
     if not decision.skipped_ops:
         return decision
     dead = sum(stats.runtimes[i] for i in decision.skipped_ops)
-    return replace(decision, recompute_ms=decision.recompute_ms + dead, skipped_ops=[])
+    factor = measured[1] if measured and any(decision.op_policy) else 1.0
+    return replace(
+        decision,
+        recompute_ms=decision.recompute_ms + dead,
+        overhead_ms=decision.overhead_ms + (factor - 1.0) * dead,
+        skipped_ops=[],
+    )
 
 
 @dataclass(frozen=True)
@@ -316,7 +327,7 @@ def peer_plans(profile: ModelProfile, backend: str = "sac") -> dict[str, PeerPla
             ("full AC", plan_decisions(profile, cands, chosen, backend, per_op_us, measured, False)),
             ("torchtitan op-SAC", policy_decisions(profile, cands, titan, backend, per_op_us, measured)),
         ):
-            decisions = {f: _rerun_all(op_stats(profile, f), d) for f, d in decisions.items()}
+            decisions = {f: _rerun_all(op_stats(profile, f), d, measured[f]) for f, d in decisions.items()}
             added = sum(d.recompute_ms + d.overhead_ms for d in decisions.values())
             plans[name] = PeerPlan(decisions, plan_peak(profile, constraints, decisions, backend), added)
     return plans

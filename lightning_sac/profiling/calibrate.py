@@ -26,9 +26,9 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.solver.recompute.overhead_ms`).
 Modules are measured once per class, parameter shapes and input signature, in interleaved rounds: each figure is
 the median over rounds of a configuration's difference from its reference in the same round. Not measured (the
-per-op figures apply): modules called more than once, modules whose forward and backward take more than half the
-step (the root: it would double the profile's time), and models whose weights are not real CPU tensors (built on
-the meta device). A module that cannot run on synthetic inputs is named in one warning.
+per-op figures apply): modules called more than once, the root and any module whose forward and backward take
+more than half the step (it would double the profile's time), and models whose weights are not real CPU tensors
+(built on the meta device). A module that cannot run on synthetic inputs is named in one warning.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def calibrate_modules(
         module = named.get(fqn)
         if stats is None or module is None or prof.calls != 1 or fqn not in specs or not stats.func_names:
             continue
-        if prof.forward_ms + prof.backward_ms > step_ms / 2 or not _is_real_cpu(module):
+        # The root's forward and backward are the whole step but the loss: never measured. Said by name, not only
+        # by its time, which on a small model can fall under half the step (the optimizer's share) when timed.
+        if not fqn or prof.forward_ms + prof.backward_ms > step_ms / 2 or not _is_real_cpu(module):
             continue
         spec = specs[fqn]
         params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())

@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from vs_peers import MIB, Case  # noqa: E402
+from vs_peers import MIB, hf_llama  # noqa: E402
 from vs_peers import measured_peak as cpu_peak  # noqa: E402
 
 from lightning_sac import Plan, profile_model  # noqa: E402
@@ -48,21 +47,11 @@ def main() -> None:
         from vs_peers_cuda import measured_peak
     else:
         measured_peak = cpu_peak
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=seq,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    device = "cuda" if cuda else "cpu"
-    ids = torch.randint(3, config.vocab_size, (args.batch, seq), device=device)
-    case = Case("llama", LlamaForCausalLM(config).to(device), {"input_ids": ids, "labels": ids}, None)
+    # vs_peers' Llama (no dropout), with this script's key/value heads, on the device that measures it.
+    case = hf_llama(argparse.Namespace(**{**vars(args), "hidden": hidden, "seq": seq, "dropout": 0.0}))
+    if cuda:
+        case.model.cuda()
+        case.batch = {k: v.cuda() for k, v in case.batch.items()}
     profile = profile_model(case.model, case.batch, optimizer_factory=case.optimizer, device="auto" if cuda else "cpu")
     cands = find_candidates(profile, None)
     constraints = memory_constraints(profile, {c.fqn: c.window for c in cands})

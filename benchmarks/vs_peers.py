@@ -144,7 +144,7 @@ def hf_llama(args: argparse.Namespace) -> Case:
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
         num_attention_heads=8,
-        num_key_value_heads=4,
+        num_key_value_heads=getattr(args, "kv_heads", 4),
         max_position_embeddings=args.seq,
         attention_dropout=args.dropout,
         attn_implementation="sdpa",  # type: ignore[call-arg]  # a PretrainedConfig keyword the stubs leave out
@@ -310,7 +310,7 @@ def merged(planned: list[Config]) -> list[Config]:
     return out
 
 
-def _peer_copy(wrap: Callable[[nn.Module], nn.Module | None], case: Case) -> nn.Module:
+def peer_copy(wrap: Callable[[nn.Module], nn.Module | None], case: Case) -> nn.Module:
     """A fresh copy of the model with a peer's checkpointing (one the model has: checked when the peer is listed)."""
     model = wrap(copy.deepcopy(case.model))
     assert model is not None
@@ -402,7 +402,7 @@ def main() -> None:  # noqa: C901, PLR0915
         wrapped = wrap(copy.deepcopy(case.model))
         if wrapped is None:  # the model has no such checkpointing (Hugging Face's, on the demo GPT)
             continue
-        configs.append(Config(name, functools.partial(_peer_copy, wrap, case)))
+        configs.append(Config(name, functools.partial(peer_copy, wrap, case)))
         configs[-1].peak = measured_peak(case, wrapped)
     start = time.perf_counter()
     profile = profile_model(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -30,31 +31,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from _peers import full_ac, hf_gradient_checkpointing, titan_op_sac  # noqa: E402
 from torch import nn  # noqa: E402
 from vs_peers import (  # noqa: E402
     GOALS,
     MIB,
     PEAK_GOAL,
     PEAK_SLACK,
+    PEERS,
     Case,
     Config,
+    applied,
     hf_llama,
     merged,
     overhead,
+    peer_copy,
     plain_times,
     time_rounds,
 )
 from vs_peers import ratio_band as band_of  # noqa: E402
 
 from lightning_sac import BudgetError, ModelProfile, Plan, profile_model, solve_plan  # noqa: E402
-from lightning_sac.apply import apply_plan  # noqa: E402
 from lightning_sac.dryrun.step import model_inputs, model_loss, tensors_of, training_step  # noqa: E402
 from lightning_sac.plan import device_reserve  # noqa: E402
 from lightning_sac.solver import peer_plans  # noqa: E402
 
 GIB = 2**30
-PEERS = {"full AC": full_ac, "torchtitan op-SAC": titan_op_sac, "HF checkpointing": hf_gradient_checkpointing}
 
 
 def counted_bytes(tensors: list[torch.Tensor]) -> int:
@@ -96,12 +97,6 @@ def plan_for(profile: ModelProfile, tensors: int) -> Plan | None:
     return plan
 
 
-def applied(case: Case, plan: Plan) -> nn.Module:
-    model = copy.deepcopy(case.model)
-    apply_plan(model, plan)
-    return model
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -126,7 +121,7 @@ def main() -> None:
     for name, wrap in PEERS.items():
         if wrap(copy.deepcopy(case.model)) is None:
             continue
-        configs.append(Config(name, lambda wrap=wrap: wrap(copy.deepcopy(case.model))))
+        configs.append(Config(name, functools.partial(peer_copy, wrap, case)))
         configs[-1].peak = measured_peak(case, configs[-1].make())
     start = time.perf_counter()
     profile = profile_model(case.model, case.batch, optimizer_factory=case.optimizer, device="auto")
@@ -141,7 +136,7 @@ def main() -> None:
         plan = plan_for(profile, tensors)
         print(f"ours @ {label}: {'no plan' if plan is None else sorted(plan.decisions)}", flush=True)
         if plan is not None:
-            planned.append(Config(f"ours @ {label}", lambda plan=plan: applied(case, plan), plan=plan, peers=peers))
+            planned.append(Config(f"ours @ {label}", functools.partial(applied, case, plan), plan=plan, peers=peers))
     planned = merged(planned)
     for o in planned:
         o.peak = measured_peak(case, o.make())

@@ -15,6 +15,7 @@ CPU are fused as for the CPU: for a CUDA target the figures are the CPU inductor
 from __future__ import annotations
 
 import copy as copying
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -241,6 +242,7 @@ def compiled_step_memory(
     # apply_plan is this package's door (apply/__init__), which exports this module: imported when called.
     from lightning_sac.adapters import uncompiled
     from lightning_sac.apply import apply_plan
+    from lightning_sac.apply.planned import COMPILE_TRACE_WARNING
     from lightning_sac.dryrun import fake_copy
 
     began = time.perf_counter()
@@ -268,7 +270,7 @@ def compiled_step_memory(
             torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True),
             mode,
         ):
-            warnings.filterwarnings("ignore", message="lightning-sac: under torch.compile, module")
+            warnings.filterwarnings("ignore", message=re.escape(COMPILE_TRACE_WARNING))
             loss = run_step(copy, mode)
             loss.backward()
     finally:

@@ -18,7 +18,11 @@ from lightning_sac.ops import flat_tensors, is_random, may_draw, mutated_tensors
 from lightning_sac.plan import ModuleDecision
 from lightning_sac.sharding import in_parallel_hook
 
-__all__ = ["CallState", "Notices", "PlannedForward", "bound"]
+__all__ = ["COMPILE_TRACE_WARNING", "CallState", "Notices", "PlannedForward", "bound"]
+
+#: How the warning begins that a module traced other ops under ``torch.compile`` than its plan's: a filter on it
+#: (the planner's own traces, :func:`~lightning_sac.apply.compiled_trace.compiled_step_memory`) matches this text.
+COMPILE_TRACE_WARNING = "lightning-sac: under torch.compile, module"
 
 
 def bound(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
@@ -252,7 +256,7 @@ class PlannedForward:
             # One warning for the plan, not one per module: the blocks of a deep model trace alike.
             self.notices.warn(
                 "compile",
-                f"lightning-sac: under torch.compile, module {self.fqn!r} traces other ops than the eager step the "
+                f"{COMPILE_TRACE_WARNING} {self.fqn!r} traces other ops than the eager step the "
                 f"plan was made for (compile decomposes or fuses some): {report.describe(len(self.names))}. Ops are "
                 "matched to the plan by op and occurrence: matched ones are saved or recomputed as planned, the "
                 "others are recomputed, which keeps no more than without a plan but may recompute more than "

@@ -26,8 +26,9 @@ backend, two numbers (``ModuleProfile.measured_overhead[backend]``):
 A policy in between is interpolated by its predicted recompute (:func:`lightning_sac.solver.recompute.overhead_ms`).
 Modules are measured once per class, parameter shapes and input signature, in interleaved rounds: each figure is
 the median over rounds of a configuration's difference from its reference in the same round. Not measured (the
-per-op figures apply): modules called more than once, the root and any module whose forward and backward take
-more than half the step (it would double the profile's time), and models whose weights are not real CPU tensors
+per-op figures apply): modules called more than once, the root and any module that runs more than half the
+step's forward ops (timing it would double the profile's time; counted in ops, not timed, so that which modules
+are measured never depends on how busy the machine was), and models whose weights are not real CPU tensors
 (built on the meta device). A module that cannot run on synthetic inputs is named in one warning.
 """
 
@@ -62,11 +63,19 @@ def _is_real_cpu(module: nn.Module) -> bool:
     return all(t.device.type == "cpu" and not isinstance(t, torch.nn.parameter.UninitializedParameter) for t in tensors)
 
 
+def _most_ops(modules: Mapping[str, ModuleProfile]) -> float:
+    # Half the forward ops of the step: the root's, or the largest module's where the root has no statistics.
+    # Op counts, not the profile's times: a block timed at 0.42 of the step once read above half on a busy machine.
+    counts = [len(p.op_stats.func_names) for p in modules.values() if p.op_stats is not None]
+    root = modules.get("")
+    total = len(root.op_stats.func_names) if root is not None and root.op_stats is not None else max(counts, default=0)
+    return total / 2
+
+
 def calibrate_modules(
     model: nn.Module,
     modules: Mapping[str, ModuleProfile],
     specs: Mapping[str, Any],
-    step_ms: float,
     *,
     share: tuple[object, ...] = (),
     autocast_dtype: torch.dtype | None = None,
@@ -77,21 +86,20 @@ def calibrate_modules(
         model: The user's model, with real weights on the CPU; only copies of its modules run.
         modules: The profile's modules, updated in place.
         specs: Per fqn, :func:`input_spec` of the module's forward inputs in the profiled step.
-        step_ms: The profiled step time, ms, that bounds which modules are worth measuring.
         share: Objects reachable from the modules that must not be copied.
         autocast_dtype: The autocast dtype the step ran its forward in, if any.
     """
     done: dict[Any, dict[str, list[float]]] = {}
     failed: list[str] = []
     named = dict(model.named_modules())
+    bound = _most_ops(modules)
     for fqn, prof in modules.items():
         stats = prof.op_stats
         module = named.get(fqn)
         if stats is None or module is None or prof.calls != 1 or fqn not in specs or not stats.func_names:
             continue
-        # The root's forward and backward are the whole step but the loss: never measured. Said by name, not only
-        # by its time, which on a small model can fall under half the step (the optimizer's share) when timed.
-        if not fqn or prof.forward_ms + prof.backward_ms > step_ms / 2 or not _is_real_cpu(module):
+        # The root's forward and backward are the whole step but the loss: never measured.
+        if not fqn or len(stats.func_names) > bound or not _is_real_cpu(module):
             continue
         spec = specs[fqn]
         params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())

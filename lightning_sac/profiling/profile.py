@@ -195,7 +195,5 @@ def profile_step(
     # recompute alone.
     if estimate == "benchmark":
         profile.backend_overhead_us = {k: [v.forward_us, v.rerun_us] for k, v in measure_backend_overheads().items()}
-        calibrate_modules(
-            model, profile.modules, run.input_specs, profile.step_ms, share=share, autocast_dtype=autocast_dtype
-        )
+        calibrate_modules(model, profile.modules, run.input_specs, share=share, autocast_dtype=autocast_dtype)
     return profile

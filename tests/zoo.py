@@ -299,8 +299,11 @@ def olmoe_eager() -> Family:
     return Family("olmoe_eager", OlmoeForCausalLM(config).train(), lm_batch(128))
 
 
-def wav2vec2_ctc() -> Family:
-    """A CTC speech recognizer: its loss's output shape depends on the label lengths (varied here), batch values."""
+def wav2vec2_ctc(layerdrop: float = 0.0) -> Family:
+    """A CTC speech recognizer: its loss's output shape depends on the label lengths (varied here), batch values.
+
+    ``layerdrop``: the share of steps each layer is skipped in (Hugging Face's default is 0.1).
+    """
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
     _quiet_transformers()
@@ -318,10 +321,10 @@ def wav2vec2_ctc() -> Family:
         num_conv_pos_embedding_groups=4,
         pad_token_id=0,
         ctc_loss_reduction="mean",
-        # SpecAugment draws its masks from numpy's random stream and LayerDrop skips layers at random: off, so that
-        # the planned and the plain runs compute the same step.
+        # SpecAugment draws its masks from numpy's random stream: off, so that the planned and the plain runs
+        # compute the same step. LayerDrop draws from torch's, which both runs start from the same seed.
         mask_time_prob=0.0,
-        layerdrop=0.0,
+        layerdrop=layerdrop,
     )
     g = torch.Generator().manual_seed(1)
     audio = torch.randn(4, 8000, generator=g)

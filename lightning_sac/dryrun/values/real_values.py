@@ -11,6 +11,12 @@ labels, positions and whatever derives from them only are the real values of the
 on this machine, so an op whose output would exceed :data:`REAL_LIMIT_BYTES` stays fake, and random ops stay
 fake (the user's random stream must not move).
 
+But one: a uniform draw of a few values (``torch.rand([])``, at most :data:`STAND_IN_NUMEL`) gets real values,
+the top of its range, drawn from no generator. A step that draws a scalar to take a rare branch (LayerDrop in
+Wav2Vec2, HuBERT, M2M100: ``if torch.rand([]) < layerdrop: skip the layer``) is then profiled on its usual path,
+every layer run, which is also the one that holds the most; a step that takes the rare branch runs fewer ops and
+holds less. On a fake draw that decision could not be taken, and the dry run stopped.
+
 A real tensor that an op with fake inputs writes to no longer holds known values; it is treated as fake from
 then on (a data-dependent decision on it raises, as on any fake tensor).
 
@@ -43,17 +49,22 @@ from lightning_sac.dryrun.values.placeholders import Placeholders
 from lightning_sac.dryrun.values.value_shapes import run_on_batch_values
 from lightning_sac.ops import flat_tensors, is_random, mutated_tensors
 
-__all__ = ["DATA_DEPENDENT", "REAL_LIMIT_BYTES", "RealValuesMode", "dry_run_inputs"]
+__all__ = ["DATA_DEPENDENT", "REAL_LIMIT_BYTES", "STAND_IN_NUMEL", "RealValuesMode", "dry_run_inputs"]
 
 #: Largest output, bytes, that an op on real values produces for real; larger ones are fake (their values are
 #: then unknown: a data-dependent decision on them raises a ProfilingError naming the op).
 REAL_LIMIT_BYTES = 64 * 2**20
+
+#: Most values a uniform draw with real arguments may have to get real ones (the top of its range).
+STAND_IN_NUMEL = 64
 
 #: What fake tensors raise for an op whose output depends on values they do not have.
 DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 _DYNAMIC_SHAPE = (DynamicOutputShapeException,)
 
 aten = torch.ops.aten
+# Uniform draws: the positions of their range's bounds in the schema, if any ([0, 1) otherwise).
+_UNIFORM = {aten.rand.default: None, aten.rand_like.default: None, aten.uniform_.default: (1, 2)}
 # Ops whose output shape depends on the values of their boolean index tensors only: with those real, the op runs
 # on fake data with the indices the mask selects (exactly how ATen expands a boolean index).
 _BOOLEAN_INDEXED = {aten.index.Tensor: 1, aten.index_put.default: 1, aten.index_put_.default: 1}
@@ -154,6 +165,8 @@ class RealValuesMode(TorchDispatchMode):
             return self._fake(func, args, kwargs)
         tensors = flat_tensors(args) + flat_tensors(list(kwargs.values()))
         real = [not isinstance(t, FakeTensor) and self.is_real(t) for t in tensors]
+        if func in _UNIFORM and all(real) and (drawn := self._top_of_range(func, args, kwargs)) is not None:
+            return drawn
         if not all(real) or is_random(func, args, kwargs):
             if any(real):  # a real tensor this op writes no longer holds known values
                 for t in mutated_tensors(func, args, kwargs):
@@ -197,6 +210,23 @@ class RealValuesMode(TorchDispatchMode):
                 raise
             _drop_tracebacks(err)
             return fake_kernel_fallback(func, args, kwargs, err)
+
+    def _top_of_range(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """A few uniform values, real: the largest float below the range's top; ``None`` for a larger draw."""
+        bounds = _UNIFORM[func]
+        low, high = 0.0, 1.0
+        if bounds is not None:
+            low = float(args[bounds[0]]) if len(args) > bounds[0] else float(kwargs.get("from", 0.0))
+            high = float(args[bounds[1]]) if len(args) > bounds[1] else float(kwargs.get("to", 1.0))
+        target = args[0] if func._schema.is_mutable else self._fake(func, args, kwargs)
+        if target.numel() > STAND_IN_NUMEL or not target.is_floating_point():
+            return None
+        with unset_fake_temporarily():
+            top = torch.tensor(high, dtype=target.dtype)
+            top = torch.nextafter(top, torch.tensor(low, dtype=target.dtype)) if high > low else top
+            if func._schema.is_mutable:
+                return target.fill_(top)
+            return torch.full(tuple(target.shape), top.item(), dtype=target.dtype, device=target.device)
 
     @staticmethod
     def _real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -66,3 +66,23 @@ def test_a_t5_whose_config_turns_caches_off_is_planned_as_it_runs():
     handle.remove()
     assert abs(planned / plan.predicted_peak_bytes - 1) < 5e-3, (planned, plan.predicted_peak_bytes)
     assert planned <= plan.budget_bytes
+
+
+class _Layer(torch.nn.Module):
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None, *, scale: float = 1.0) -> torch.Tensor:
+        return x * scale if use_cache is False else x
+
+
+def test_use_cache_passed_positionally_is_switched_off_where_it_was_passed():
+    # RecurrentGemma calls its decoder layers with use_cache positionally; adding the keyword on top raised
+    # "got multiple values for argument 'use_cache'".
+    from lightning_sac.adapters.caches import without_kv_caches
+
+    layer, x = _Layer().train(), torch.ones(2, requires_grad=True)
+    call = without_kv_caches(layer, (x, True), {"scale": 2.0})
+    assert call.args == (x, False) and call.kwargs == {"scale": 2.0} and call.switched_off == ["use_cache"]
+    assert torch.equal(layer(*call.args, **call.kwargs), 2 * x)
+    call = without_kv_caches(layer, (x,), {"use_cache": True})
+    assert call.args == (x,) and call.kwargs == {"use_cache": False}
+    call = without_kv_caches(layer, (x, False), {})  # already off: left as it is
+    assert call.args == (x, False) and call.kwargs == {} and call.switched_off == []

@@ -43,16 +43,20 @@ def is_kv_cache(x: Any) -> bool:
     return callable(getattr(x, "update", None)) and callable(getattr(x, "get_seq_length", None))
 
 
-_TAKES_USE_CACHE: dict[type, bool] = {}
+#: Per module class: where its forward takes ``use_cache`` (the positional index, -1 keyword-only, None not at all).
+_USE_CACHE_AT: dict[type, int | None] = {}
 
 
-def _takes_use_cache(cls: type) -> bool:
-    if cls not in _TAKES_USE_CACHE:
+def _use_cache_at(cls: type) -> int | None:
+    if cls not in _USE_CACHE_AT:
         try:
-            _TAKES_USE_CACHE[cls] = "use_cache" in inspect.signature(cls.forward).parameters  # type: ignore[attr-defined]
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]  # type: ignore[attr-defined]
         except (TypeError, ValueError):  # a forward without an inspectable signature (a builtin): nothing to pass
-            _TAKES_USE_CACHE[cls] = False
-    return _TAKES_USE_CACHE[cls]
+            params = []
+        at = next((i for i, p in enumerate(params) if p.name == "use_cache"), None)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        _USE_CACHE_AT[cls] = at if at is None or params[at].kind in positional else -1
+    return _USE_CACHE_AT[cls]
 
 
 @dataclass
@@ -130,15 +134,22 @@ def without_kv_caches(
     # A call that leaves it to a config that turns it off stays as it is: passing False instead of None can change
     # what the module passes on (T5 passes None to its decoder, whose own config copy turns caches on), and the
     # dry run must run the calls the plain step runs.
-    if "use_cache" in kwargs or _takes_use_cache(type(module)):
-        value = kwargs.get("use_cache")
+    # RecurrentGemma calls its layers with use_cache positionally: it is switched off where it was passed.
+    at = _use_cache_at(type(module))
+    positional = at is not None and 0 <= at < len(args) and "use_cache" not in kwargs
+    values = list(args)
+    if "use_cache" in kwargs or at is not None:
+        value = values[at] if positional else kwargs.get("use_cache")  # type: ignore[index]
         if value is None:
             value = getattr(getattr(module, "config", None), "use_cache", True)
         if value is not False:
             call.switched_off.append("use_cache")
-            call.kwargs["use_cache"] = False
+            if positional:
+                values[at] = False  # type: ignore[index]
+            else:
+                call.kwargs["use_cache"] = False
     call.switched_off += sorted(caches)
-    call.args = tuple(None if f"argument {i}" in caches else v for i, v in enumerate(args))
+    call.args = tuple(None if f"argument {i}" in caches else v for i, v in enumerate(values))
     call.kwargs.update(dict.fromkeys(caches.keys() & kwargs.keys()))
     return call
 

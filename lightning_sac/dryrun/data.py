@@ -204,6 +204,9 @@ class ModelProfile:
         kv_cache_off: Modules called with a KV cache in training, which the dry run ran without it, as a
             planned module runs (see :mod:`lightning_sac.adapters.caches`).
         kv_cache_with_tokens: Modules called with a KV cache that already held tokens; never checkpointed.
+        module_state: Modules whose forward stored a tensor computed from its inputs as an attribute, with the
+            attribute (:func:`~lightning_sac.dryrun.modules.hooks.stored_state`); neither they nor a module
+            around them is checkpointed.
         kv_cache_peak: When the dry run switched KV caches off (:attr:`kv_cache_off`), the peak of the step as
             the model runs without a plan, caches on, by category (a second dry run); ``None`` otherwise. Without
             caches a step can hold more (a fused QKV projection's views keep its buffer, where the caches' copies
@@ -250,6 +253,7 @@ class ModelProfile:
     replaced_checkpointing: list[str] = field(default_factory=list)
     kv_cache_off: list[str] = field(default_factory=list)
     kv_cache_with_tokens: list[str] = field(default_factory=list)
+    module_state: dict[str, str] = field(default_factory=dict)
     kv_cache_peak: MemorySnapshot | None = None
     placeholders: list[dict[str, Any]] = field(default_factory=list)
     sharded: ShardedLayout | None = None

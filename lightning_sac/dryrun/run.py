@@ -114,6 +114,7 @@ def _profile(model: nn.Module, example_inputs: Any, step: StepSpec, run: Recorde
         replaced_checkpointing=run.replaced,
         kv_cache_off=run.caches.switched_off,
         kv_cache_with_tokens=run.caches.holds_tokens,
+        module_state=recorder.module_state,
         placeholders=run.placeholders,
         routing=run.routing,
         sharded=sharded_layout(model, wrapper),

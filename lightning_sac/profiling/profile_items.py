@@ -32,13 +32,14 @@ from lightning_sac.profiling.timeline_peaks import module_peaks, step_peak
 
 __all__ = ["extend_profile", "unsupported"]
 
-# Lists of names of modules the extension does not follow; each must be empty.
+# Names of modules (lists, or a dict by name) the extension does not follow; each must be empty.
 _ABSENT = (
     "checkpointed_modules",
     "checkpoint_callers",
     "checkpointing_flags",
     "replaced_checkpointing",
     "kv_cache_with_tokens",
+    "module_state",
     "placeholders",
     "routing",
 )

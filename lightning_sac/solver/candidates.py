@@ -79,7 +79,9 @@ def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
 
     A module that runs under the model's own checkpointing, contains such a module or lies inside one, or
     whose forward opens a checkpoint region itself, would be recomputed twice under nested regions that the
-    profile's op lists do not describe; one called with a KV cache that holds tokens would update it twice.
+    profile's op lists do not describe; one called with a KV cache that holds tokens would update it twice; one
+    whose forward stores state computed from its inputs, or contains such a module, would be recomputed from the
+    state its forward left (:attr:`ModelProfile.module_state`).
     """
     for own in profile.checkpointed_modules:
         if related(own, fqn):
@@ -90,6 +92,9 @@ def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
     for holder in profile.kv_cache_with_tokens:
         if related(holder, fqn):
             return f"called with a KV cache that holds tokens ({holder or '<root>'})"
+    for holder, name in profile.module_state.items():
+        if fqn == holder or fqn == "" or holder.startswith(fqn + "."):
+            return f"its forward stores state computed from its inputs ({holder or '<root>'}.{name})"
     return None
 
 

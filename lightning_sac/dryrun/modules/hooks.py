@@ -24,7 +24,22 @@ from lightning_sac.dryrun.modules.inputs import input_spec
 from lightning_sac.dryrun.op_graph import OpGraph
 from lightning_sac.dryrun.step import tensors_of
 
-__all__ = ["ModuleHooks", "ModuleState"]
+__all__ = ["ModuleHooks", "ModuleState", "stored_state"]
+
+
+def stored_state(module: nn.Module) -> str | None:
+    """An attribute of ``module`` that holds a tensor with a gradient history (or a list or tuple of them).
+
+    Set by its forward: the module keeps state computed from its inputs (RecurrentGemma's RG-LRU stores its last
+    ``recurrent_states`` and starts the next call from them). A checkpoint's recompute reruns the forward on the
+    state the forward left, not the one it began with, and stores it again: the recomputed values, and the ops
+    run, need not be the forward's. A cache of constants (rotary embeddings' cos and sin) has no history.
+    """
+    for name, value in vars(module).items():
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in items):
+            return name
+    return None
 
 
 @dataclass
@@ -81,6 +96,8 @@ class ModuleHooks:
         self._output_of: dict[int, list[str]] = {}  # storage id -> modules whose first call returned it
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
+        #: Per fqn, an attribute its forward stored a tensor with a gradient history in (:func:`stored_state`).
+        self.module_state: dict[str, str] = {}
         self._signals = BackwardSignals(self._begin_backward, self._handles)
         for fqn, module in model.named_modules():
             is_leaf = next(module.children(), None) is None
@@ -131,6 +148,8 @@ class ModuleHooks:
             st = self._states[fqn]
             self._stack.pop()
             self._event("fwd_post", fqn)
+            if fqn not in self.module_state and (name := stored_state(module)) is not None:
+                self.module_state[fqn] = name
             st.profile.forward_ms += self.cum_ms - st.fwd_start_ms
             if st.profile.calls > 1 or st.fwd_watch is None:
                 return

@@ -1,10 +1,16 @@
-"""A module whose forward stores state computed from its inputs is never checkpointed, nor any module around it.
+"""Modules a recompute cannot rerun as their forward ran are never checkpointed.
+
+A module whose forward stores state computed from its inputs, nor any module around it:
 
 RecurrentGemma's RG-LRU keeps its last ``recurrent_states`` as an attribute and starts its next call from them. A
 checkpoint's recompute reruns the forward from the state the forward left and stores it again: a selective policy's
 cache then handed saved values to other ops than the ones that made them, and a plan near the minimum trained
 gradients 1e-2 away from the plain model's, silently. The dry run names such modules
 (``ModelProfile.module_state``) and the planner leaves them and their ancestors out.
+
+A module whose forward writes to one of its inputs in place (Mixtral's sparse block with router jitter:
+``hidden_states *= noise``): a checkpoint reruns it from the input it keeps, which then holds the written values; a
+plan checkpointing the block failed in backward under the selective policy (``ModelProfile.writes_input``).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from zoo import Family, _quiet_transformers, lm_batch
+from zoo import Family, _quiet_transformers, lm_batch, mixtral_grouped_mm
 
 from lightning_sac import BudgetError, apply_plan, profile_model, solve_plan
 from lightning_sac.solver import find_candidates
@@ -109,3 +115,48 @@ def test_recurrent_gemma_planned_at_its_minimum_trains_as_the_plain_model(backen
         assert all(torch.equal(grads0[n], grads1[n]) for n in grads0), [
             n for n in grads0 if not torch.equal(grads0[n], grads1[n])
         ]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x *= 2.0  # on the input, in place
+        return self.mlp(x)
+
+
+def test_a_module_that_writes_its_input_in_place_is_no_candidate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _Scaled(), nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)))
+    profile = profile_model(model, (torch.randn(32, 16),), loss_fn=lambda out: out.square().sum(), device="cpu")
+    assert profile.writes_input == {"1": "aten.mul_.Tensor"}
+    names = {c.fqn for c in find_candidates(profile)}
+    assert {"1.mlp", "2"} <= names and "1" not in names  # its children and the others stay candidates
+
+
+@pytest.mark.slow  # a MoE plan trained twice, about 15 s
+def test_mixtral_with_router_jitter_trains_as_the_plain_model():
+    from test_real_models import two_steps
+
+    family = mixtral_grouped_mm(router_jitter_noise=0.1)
+    profile = profile_model(
+        family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
+    )
+    blocks = [f"model.layers.{i}.mlp" for i in range(2)]
+    assert profile.writes_input == dict.fromkeys(blocks, "aten.mul_.Tensor")
+    with pytest.raises(BudgetError) as info:
+        solve_plan(profile, 1e-6)
+    plan = solve_plan(profile, info.value.minimum_bytes * 1.02 / GIB, backend="sac")
+    assert plan.decisions and not set(blocks) & set(plan.decisions)
+    plain = two_steps(copy.deepcopy(family.model), family)
+    planned = copy.deepcopy(family.model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
+        handle = apply_plan(planned, plan)
+        steps = two_steps(planned, family)
+    handle.remove()
+    for (loss0, grads0, _), (loss1, grads1, _) in zip(plain, steps, strict=True):
+        assert torch.equal(loss0, loss1)
+        assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)

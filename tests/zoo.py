@@ -279,13 +279,16 @@ def _moe_sizes() -> dict[str, Any]:
     }
 
 
-def mixtral_grouped_mm() -> Family:
-    """A Mixtral mixture of experts with transformers' default experts: one grouped matmul for all experts."""
+def mixtral_grouped_mm(router_jitter_noise: float = 0.0) -> Family:
+    """A Mixtral mixture of experts with transformers' default experts: one grouped matmul for all experts.
+
+    ``router_jitter_noise``: the sparse block multiplies its input in place by noise of this width in training.
+    """
     from transformers import MixtralConfig, MixtralForCausalLM
 
     _quiet_transformers()
     torch.manual_seed(0)
-    config = MixtralConfig(**_moe_sizes(), num_local_experts=4)
+    config = MixtralConfig(**_moe_sizes(), num_local_experts=4, router_jitter_noise=router_jitter_noise)
     return Family("mixtral_grouped_mm", MixtralForCausalLM(config).train(), lm_batch(128))
 
 

@@ -207,6 +207,8 @@ class ModelProfile:
         module_state: Modules whose forward stored a tensor computed from its inputs as an attribute, with the
             attribute (:func:`~lightning_sac.dryrun.modules.hooks.stored_state`); neither they nor a module
             around them is checkpointed.
+        writes_input: Modules whose forward wrote to one of its inputs in place, with the op; never checkpointed
+            (a recompute would start from the written values).
         kv_cache_peak: When the dry run switched KV caches off (:attr:`kv_cache_off`), the peak of the step as
             the model runs without a plan, caches on, by category (a second dry run); ``None`` otherwise. Without
             caches a step can hold more (a fused QKV projection's views keep its buffer, where the caches' copies
@@ -254,6 +256,7 @@ class ModelProfile:
     kv_cache_off: list[str] = field(default_factory=list)
     kv_cache_with_tokens: list[str] = field(default_factory=list)
     module_state: dict[str, str] = field(default_factory=dict)
+    writes_input: dict[str, str] = field(default_factory=dict)
     kv_cache_peak: MemorySnapshot | None = None
     placeholders: list[dict[str, Any]] = field(default_factory=list)
     sharded: ShardedLayout | None = None

@@ -289,6 +289,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         elif self.phase == "forward":
             # What the op writes and makes matters to the forward's op records only (asked once per op there).
             written = mutated_tensors(func, args, kwargs)
+            self._writes(written, op_name(func))
             output_storages = {id(t.untyped_storage()) for t in outputs}
             parent = None
             if inplace:

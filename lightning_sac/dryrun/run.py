@@ -115,6 +115,7 @@ def _profile(model: nn.Module, example_inputs: Any, step: StepSpec, run: Recorde
         kv_cache_off=run.caches.switched_off,
         kv_cache_with_tokens=run.caches.holds_tokens,
         module_state=recorder.module_state,
+        writes_input=recorder.writes_input,
         placeholders=run.placeholders,
         routing=run.routing,
         sharded=sharded_layout(model, wrapper),

@@ -40,6 +40,7 @@ _ABSENT = (
     "replaced_checkpointing",
     "kv_cache_with_tokens",
     "module_state",
+    "writes_input",
     "placeholders",
     "routing",
 )

@@ -81,7 +81,8 @@ def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
     whose forward opens a checkpoint region itself, would be recomputed twice under nested regions that the
     profile's op lists do not describe; one called with a KV cache that holds tokens would update it twice; one
     whose forward stores state computed from its inputs, or contains such a module, would be recomputed from the
-    state its forward left (:attr:`ModelProfile.module_state`).
+    state its forward left (:attr:`ModelProfile.module_state`); one whose forward writes to one of its inputs in
+    place would be recomputed from the written values (:attr:`ModelProfile.writes_input`).
     """
     for own in profile.checkpointed_modules:
         if related(own, fqn):
@@ -95,6 +96,8 @@ def excluded_reason(profile: ModelProfile, fqn: str) -> str | None:
     for holder, name in profile.module_state.items():
         if fqn == holder or fqn == "" or holder.startswith(fqn + "."):
             return f"its forward stores state computed from its inputs ({holder or '<root>'}.{name})"
+    if fqn in profile.writes_input:
+        return f"its forward writes to one of its inputs in place ({profile.writes_input[fqn]})"
     return None
 
 

@@ -98,6 +98,8 @@ class ModuleHooks:
         self.input_specs: dict[str, Any] = {}
         #: Per fqn, an attribute its forward stored a tensor with a gradient history in (:func:`stored_state`).
         self.module_state: dict[str, str] = {}
+        #: Per fqn, the first op that wrote in place to an input of its call while it ran (:meth:`_writes`).
+        self.writes_input: dict[str, str] = {}
         self._signals = BackwardSignals(self._begin_backward, self._handles)
         for fqn, module in model.named_modules():
             is_leaf = next(module.children(), None) is None
@@ -105,6 +107,18 @@ class ModuleHooks:
             self._states[fqn].has_parameters = next(module.parameters(), None) is not None
             self._handles.append(module.register_forward_pre_hook(self._make_pre(fqn), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._make_post(fqn), with_kwargs=True))
+
+    def _writes(self, written: list[torch.Tensor], name: str) -> None:
+        """Note the running modules whose call's inputs op ``name`` writes in place.
+
+        Mixtral's sparse MoE block multiplies its input by router jitter in place: a checkpoint of the block keeps
+        that input to rerun the block from, and its recompute would start from the written values (torch's
+        checkpoint then fails in backward, or worse).
+        """
+        for t in written:
+            for fqn in self._input_of.get(id(t.untyped_storage()), ()):
+                if fqn in self._stack:
+                    self.writes_input.setdefault(fqn, name)
 
     def _storage_bytes(self, tensors: list[torch.Tensor]) -> int:
         seen = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}

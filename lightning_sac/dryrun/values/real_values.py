@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_sac.dryrun.values.kernel_layouts import real_layout
 from lightning_sac.dryrun.values.meta_fallback import fake_kernel_fallback, meta_kernel_failed
 from lightning_sac.dryrun.values.placeholders import Placeholders
 from lightning_sac.dryrun.values.value_shapes import run_on_batch_values
@@ -187,9 +188,13 @@ class RealValuesMode(TorchDispatchMode):
         return out if _nbytes(out) > self.limit_bytes else self._real(func, args, kwargs)
 
     def _fake(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``func`` on fake tensors; a boolean index or a scalar read it cannot answer is handled here."""
+        """Run ``func`` on fake tensors; a boolean index or a scalar read it cannot answer is handled here.
+
+        An op whose fake kernel lays its output out otherwise than the real one gets the real layout
+        (:mod:`~lightning_sac.dryrun.values.kernel_layouts`).
+        """
         try:
-            return func(*args, **kwargs)
+            return real_layout(func, args, func(*args, **kwargs))
         except _DYNAMIC_SHAPE as err:
             if func in _BOOLEAN_INDEXED:
                 return self._boolean_indexed(func, args, kwargs, err)

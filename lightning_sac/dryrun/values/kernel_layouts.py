@@ -1,0 +1,53 @@
+"""Ops whose fake kernel gives another memory layout than the real kernel: the real one's, for the dry run.
+
+A fake tensor's op gets its output's strides from the op's meta kernel. Where the real kernel lays its output out
+otherwise, the model's next ops see other strides than in training, and code that branches on layout takes
+another path: ATen's ``linear`` on a contiguous 3-d input is ``view``, ``mm``, ``_unsafe_view``, on another
+layout ``t``, ``matmul`` and a copy. A PatchTST with ``norm_type="batchnorm"`` (BatchNorm1d between two
+transposes) was profiled with the second path where training runs the first: its plain peak predicted 7% under
+the measured, and planned modules met other ops than profiled.
+
+:data:`SUGGESTED_LAYOUT` lists such ops; :func:`real_layout` gives their first output the real kernel's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["SUGGESTED_LAYOUT", "real_layout", "suggested_format"]
+
+aten = torch.ops.aten
+
+#: Ops whose first output the real kernel allocates contiguous in the suggested memory format of one argument (by
+#: position), where the meta kernel keeps that argument's strides: BatchNorm's forward and backward
+#: (``empty_like(input, input.suggest_memory_format())``; on a ``(N, C, L)`` input transposed from ``(N, L, C)``
+#: the real output is contiguous, the fake one transposed).
+SUGGESTED_LAYOUT = {aten.native_batch_norm.default: 0, aten.native_batch_norm_backward.default: 1}
+
+
+def suggested_format(x: torch.Tensor) -> torch.memory_format:
+    """``Tensor::suggest_memory_format``: channels-last where the strides say so, contiguous otherwise."""
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def real_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """``out`` of ``func`` with its first output laid out as the real kernel lays it (a new fake tensor).
+
+    Call under the fake mode (the new tensor is fake). Ops not in :data:`SUGGESTED_LAYOUT`, and outputs that
+    already have the real layout, are returned as they are.
+    """
+    at = SUGGESTED_LAYOUT.get(func)
+    if at is None or not isinstance(out, tuple) or not isinstance(out[0], torch.Tensor):
+        return out
+    first, source = out[0], args[at]
+    fmt = suggested_format(source)
+    if first.is_contiguous(memory_format=fmt):
+        return out
+    laid = torch.empty(tuple(first.shape), dtype=first.dtype, device=first.device, memory_format=fmt)
+    return (laid, *out[1:])

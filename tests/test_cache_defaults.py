@@ -14,7 +14,7 @@ import copy
 import torch
 from loop_harness import LoopPeaks
 
-from lightning_sac import apply_plan, profile_step, solve_plan
+from lightning_sac import apply_plan, profile_model, profile_step, solve_plan
 
 
 def _t5() -> torch.nn.Module:
@@ -86,3 +86,40 @@ def test_use_cache_passed_positionally_is_switched_off_where_it_was_passed():
     assert call.args == (x,) and call.kwargs == {"use_cache": False}
     call = without_kv_caches(layer, (x, False), {})  # already off: left as it is
     assert call.args == (x, False) and call.kwargs == {} and call.switched_off == []
+
+
+def test_the_run_with_caches_checks_its_stand_ins_as_the_first_run_does():
+    # A time-series transformer checks its output distribution's arguments (torch.distributions validates by
+    # default): `if not torch._is_all_true(valid): raise ValueError`. The first dry run gives that read the other
+    # answer once the healthy one raised; the second run, with the model's caches on, gave it the healthy answer
+    # only, and the ValueError reached the user.
+    from transformers import TimeSeriesTransformerConfig, TimeSeriesTransformerForPrediction
+
+    torch.manual_seed(0)
+    config = TimeSeriesTransformerConfig(
+        prediction_length=16,
+        context_length=32,
+        lags_sequence=[1, 2, 3],
+        num_time_features=1,
+        input_size=1,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+    )
+    model = TimeSeriesTransformerForPrediction(config).train()
+    g = torch.Generator().manual_seed(1)
+    n, past = 8, 32 + 3
+    batch = {
+        "past_values": torch.randn(n, past, generator=g).abs() + 1,
+        "past_time_features": torch.linspace(0, 1, past).repeat(n, 1).unsqueeze(-1),
+        "past_observed_mask": torch.ones(n, past),
+        "future_values": torch.randn(n, 16, generator=g).abs() + 1,
+        "future_time_features": torch.linspace(1, 1.5, 16).repeat(n, 1).unsqueeze(-1),
+    }
+    profile = profile_model(model, batch, device="cpu")
+    assert profile.kv_cache_off and profile.kv_cache_peak is not None  # the second run, with caches, ran
+    assert [s["value"] for s in profile.placeholders] == ["True"]  # the argument check, answered "all valid"

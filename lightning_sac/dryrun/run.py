@@ -65,7 +65,10 @@ def dry_run(
     if run.caches.switched_off:
         # The step as the model runs without a plan, with its caches: what a plan must beat (it can hold more or
         # less than without them: fused projections' views keep their buffers, caches' copies free them).
-        cached = record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+        # Its stand-ins are checked as the first run's were (a distribution's argument check needs the other answer).
+        cached = record_checked(
+            lambda: record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+        )
         with_caches = functools.partial(_profile, model, example_inputs, step, cached, estimate)
         profile.kv_cache_peak = cached.recorder.memory.peak.peak_snapshot
     return DryRun(profile, run.recorder.input_specs, with_caches)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from zoo import Family, _quiet_transformers, lm_batch, mixtral_grouped_mm
 
-from lightning_sac import BudgetError, apply_plan, profile_model, solve_plan
+from lightning_sac import BudgetError, Plan, apply_plan, profile_model, solve_plan
 from lightning_sac.solver import find_candidates
 
 GIB = 2**30
@@ -63,6 +63,24 @@ def test_a_module_that_stores_state_and_those_around_it_are_no_candidates():
     assert not names & {"", "block", "block.1"}
 
 
+def assert_trains_as_plain(family: Family, plan: Plan) -> None:
+    """Two steps of a planned copy: the plain model's loss, every gradient and every buffer, bit for bit."""
+    from test_real_models import two_steps
+
+    plain = two_steps(copy.deepcopy(family.model), family)
+    planned = copy.deepcopy(family.model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
+        handle = apply_plan(planned, plan)
+        steps = two_steps(planned, family)
+    handle.remove()
+    for (loss0, grads0, bufs0), (loss1, grads1, bufs1) in zip(plain, steps, strict=True):
+        assert torch.equal(loss0, loss1)
+        assert grads0.keys() == grads1.keys() and bufs0.keys() == bufs1.keys()
+        assert [n for n in grads0 if not torch.equal(grads0[n], grads1[n])] == []
+        assert [n for n in bufs0 if not torch.equal(bufs0[n], bufs1[n])] == []
+
+
 def recurrent_gemma() -> Family:
     from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
 
@@ -90,8 +108,6 @@ def recurrent_gemma() -> Family:
 @pytest.mark.slow  # two plans trained twice each, about 20 s
 @pytest.mark.parametrize("backend", ["sac", "graph"])
 def test_recurrent_gemma_planned_at_its_minimum_trains_as_the_plain_model(backend):
-    from test_real_models import two_steps
-
     family = recurrent_gemma()
     profile = profile_model(
         family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
@@ -102,19 +118,7 @@ def test_recurrent_gemma_planned_at_its_minimum_trains_as_the_plain_model(backen
         solve_plan(profile, 1e-6, backend=backend)
     plan = solve_plan(profile, info.value.minimum_bytes * 1.02 / GIB, backend=backend)
     assert plan.decisions and not any(f in lrus or any(x.startswith(f + ".") for x in lrus) for f in plan.decisions)
-    plain = two_steps(copy.deepcopy(family.model), family)
-    planned = copy.deepcopy(family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
-        handle = apply_plan(planned, plan)
-        steps = two_steps(planned, family)
-    handle.remove()
-    for (loss0, grads0, bufs0), (loss1, grads1, bufs1) in zip(plain, steps, strict=True):
-        assert torch.equal(loss0, loss1)
-        assert grads0.keys() == grads1.keys() and bufs0.keys() == bufs1.keys()
-        assert all(torch.equal(grads0[n], grads1[n]) for n in grads0), [
-            n for n in grads0 if not torch.equal(grads0[n], grads1[n])
-        ]
+    assert_trains_as_plain(family, plan)
 
 
 class _Scaled(nn.Module):
@@ -138,8 +142,6 @@ def test_a_module_that_writes_its_input_in_place_is_no_candidate():
 
 @pytest.mark.slow  # a MoE plan trained twice, about 15 s
 def test_mixtral_with_router_jitter_trains_as_the_plain_model():
-    from test_real_models import two_steps
-
     family = mixtral_grouped_mm(router_jitter_noise=0.1)
     profile = profile_model(
         family.model, family.batch, loss_fn=family.loss_fn, optimizer_factory=family.optimizer, device="cpu"
@@ -150,13 +152,4 @@ def test_mixtral_with_router_jitter_trains_as_the_plain_model():
         solve_plan(profile, 1e-6)
     plan = solve_plan(profile, info.value.minimum_bytes * 1.02 / GIB, backend="sac")
     assert plan.decisions and not set(blocks) & set(plan.decisions)
-    plain = two_steps(copy.deepcopy(family.model), family)
-    planned = copy.deepcopy(family.model)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*trains with use_cache=False.*")
-        handle = apply_plan(planned, plan)
-        steps = two_steps(planned, family)
-    handle.remove()
-    for (loss0, grads0, _), (loss1, grads1, _) in zip(plain, steps, strict=True):
-        assert torch.equal(loss0, loss1)
-        assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    assert_trains_as_plain(family, plan)

@@ -17,6 +17,7 @@ from lightning_sac.ops.aten import (
     may_draw,
     mutated_tensors,
     op_name,
+    suggested_format,
     undeclared_writes,
 )
 from lightning_sac.ops.noise import MASKABLE_OPS, is_maskable, noise_mask
@@ -35,5 +36,6 @@ __all__ = [
     "mutated_tensors",
     "noise_mask",
     "op_name",
+    "suggested_format",
     "undeclared_writes",
 ]

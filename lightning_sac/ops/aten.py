@@ -30,6 +30,7 @@ __all__ = [
     "may_draw",
     "mutated_tensors",
     "op_name",
+    "suggested_format",
     "undeclared_writes",
 ]
 
@@ -266,3 +267,15 @@ def composite_scratch(func: Any, args: tuple[Any, ...]) -> list[int]:
         dtype = args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else x.dtype
         return [x.numel(), x.numel() // max(x.shape[dim], 1), torch.empty((), dtype=dtype).element_size()]
     return []
+
+
+def suggested_format(x: torch.Tensor) -> torch.memory_format:
+    """``Tensor::suggest_memory_format``: channels-last where the strides say so, contiguous otherwise.
+
+    The layout ATen's kernels allocate their outputs in (BatchNorm's on every device, cuDNN's input).
+    """
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format

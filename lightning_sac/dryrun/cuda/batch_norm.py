@@ -17,6 +17,7 @@ import torch
 from torch.library import Library
 
 from lightning_sac.dryrun.cuda.autocast import KernelOverride
+from lightning_sac.ops import suggested_format
 
 __all__ = ["CUDNN_BN_MIN_EPSILON", "CudnnBatchNormEmulation", "cuda_batch_norm_impl_index", "uses_cudnn"]
 
@@ -55,15 +56,6 @@ def uses_cudnn(
     return input.shape[0] <= (880801 if training else 65535)
 
 
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    # Tensor::suggest_memory_format: channels-last when the strides say so, else contiguous.
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
 def cuda_batch_norm_impl_index(
     input: torch.Tensor,
     weight: torch.Tensor | None,
@@ -79,7 +71,7 @@ def cuda_batch_norm_impl_index(
     if uses_cudnn(input, weight, bias, running_mean, running_var, training, eps, cudnn_enabled):
         assert weight is not None and bias is not None  # uses_cudnn checked them
         out = aten.cudnn_batch_norm(
-            input.contiguous(memory_format=_memory_format(input)),
+            input.contiguous(memory_format=suggested_format(input)),
             weight.contiguous(),
             bias.contiguous(),
             None if running_mean is None else running_mean.contiguous(),

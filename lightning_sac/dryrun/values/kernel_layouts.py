@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUGGESTED_LAYOUT", "real_layout", "suggested_format"]
+from lightning_sac.ops import suggested_format
+
+__all__ = ["SUGGESTED_LAYOUT", "real_layout"]
 
 aten = torch.ops.aten
 
@@ -25,15 +27,6 @@ aten = torch.ops.aten
 #: (``empty_like(input, input.suggest_memory_format())``; on a ``(N, C, L)`` input transposed from ``(N, L, C)``
 #: the real output is contiguous, the fake one transposed).
 SUGGESTED_LAYOUT = {aten.native_batch_norm.default: 0, aten.native_batch_norm_backward.default: 1}
-
-
-def suggested_format(x: torch.Tensor) -> torch.memory_format:
-    """``Tensor::suggest_memory_format``: channels-last where the strides say so, contiguous otherwise."""
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def real_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:

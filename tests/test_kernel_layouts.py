@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,3 +89,39 @@ def test_patchtst_with_batch_norm_is_predicted_to_the_byte():
     profile = profile_model(model, batch, loss_fn=loss, device="cpu")
     measured = measure_training_step(copy.deepcopy(model), batch, loss_fn=loss)
     assert profile.peak_bytes == measured.peak_bytes
+
+
+class _SparseGcn(nn.Module):
+    """A graph convolution as many are written: a sparse adjacency times the transformed node features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.sparse.mm(adj, self.lin(x)))
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)  # its gradient is a sparse tensor
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_sparse_tensors_are_refused_with_a_profiling_error_that_says_what_to_do():
+    # A sparse tensor has no storage to count: the dry run stopped with torch's NotImplementedError ("Cannot access
+    # storage of SparseTensorImpl").
+    from lightning_sac import ProfilingError
+
+    torch.manual_seed(0)
+    edges = torch.randint(0, 50, (2, 200))
+    adj = torch.sparse_coo_tensor(edges, torch.ones(200), (50, 50)).coalesce()
+    with pytest.raises(ProfilingError, match="An input of the training step is a tensor of layout torch.sparse_coo"):
+        profile_model(_SparseGcn(), (torch.randn(50, 16), adj), loss_fn=lambda out: out.sum(), device="cpu")
+    with pytest.raises(ProfilingError, match=r"in module 'emb'.*layout torch.sparse_coo.*sparse=False") as info:
+        profile_model(_SparseEmbedding(), (torch.randint(0, 100, (8, 5)),), loss_fn=lambda out: out.sum(), device="cpu")
+    assert info.value.module == "emb"

@@ -8,17 +8,22 @@ transposes) was profiled with the second path where training runs the first: its
 the measured, and planned modules met other ops than profiled.
 
 :data:`SUGGESTED_LAYOUT` lists such ops; :func:`real_layout` gives their first output the real kernel's layout.
+
+Tensors of another layout than strided (sparse COO or CSR: a graph network's adjacency, an ``nn.Embedding(...,
+sparse=True)``'s gradient) have no storage the dry run can count: :func:`layout_error` says so, where they enter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lightning_sac.errors import ProfilingError
 from lightning_sac.ops import suggested_format
 
-__all__ = ["SUGGESTED_LAYOUT", "real_layout"]
+__all__ = ["SUGGESTED_LAYOUT", "check_strided", "layout_error", "real_layout"]
 
 aten = torch.ops.aten
 
@@ -44,3 +49,27 @@ def real_layout(func: Any, args: tuple[Any, ...], out: Any) -> Any:
         return out
     laid = torch.empty(tuple(first.shape), dtype=first.dtype, device=first.device, memory_format=fmt)
     return (laid, *out[1:])
+
+
+def layout_error(
+    what: str, layout: torch.layout, *, op: str | None = None, module: str | None = None
+) -> ProfilingError:
+    """The error for a tensor the dry run cannot count: ``what`` (an input, an op's output) has ``layout``."""
+    fix = (
+        "Pass a graph as an edge index and aggregate with index_add_ or scatter_reduce (or densify the matrix with "
+        ".to_dense()); give nn.Embedding sparse=False"
+    )
+    where = "" if module is None else f" (in module {module or '<root>'!r}, forward or backward)"
+    return ProfilingError(
+        f"{what}{where} is a tensor of layout {layout}; lightning-sac profiles strided (dense) tensors only, whose storage "
+        f"it counts. {fix}. The model was not changed.",
+        op=op,
+        module=module,
+    )
+
+
+def check_strided(func: Any, outputs: list[torch.Tensor], module: Callable[[], str]) -> None:
+    """Raise :func:`layout_error` when an output of ``func`` is not strided (``module()``: the running module)."""
+    for t in outputs:
+        if t.layout != torch.strided:
+            raise layout_error(f"The output of {func}", t.layout, op=str(func), module=module())

@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_sac.dryrun.values.kernel_layouts import real_layout
+from lightning_sac.dryrun.values.kernel_layouts import layout_error, real_layout
 from lightning_sac.dryrun.values.meta_fallback import fake_kernel_fallback, meta_kernel_failed
 from lightning_sac.dryrun.values.placeholders import Placeholders
 from lightning_sac.dryrun.values.value_shapes import run_on_batch_values
@@ -84,6 +84,8 @@ def dry_run_inputs(x: Any, mode: FakeTensorMode, device: str, limit_bytes: int =
     batch. Nested tuples, lists and dicts (Hugging Face's ``BatchEncoding`` too) keep their structure.
     """
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise layout_error("An input of the training step", x.layout)
         if x.device.type == "meta" or isinstance(x, FakeTensor) or _nbytes(x) > limit_bytes:
             with mode:
                 fake = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=device)

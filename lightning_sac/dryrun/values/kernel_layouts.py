@@ -61,8 +61,8 @@ def layout_error(
     )
     where = "" if module is None else f" (in module {module or '<root>'!r}, forward or backward)"
     return ProfilingError(
-        f"{what}{where} is a tensor of layout {layout}; lightning-sac profiles strided (dense) tensors only, whose storage "
-        f"it counts. {fix}. The model was not changed.",
+        f"{what}{where} is a tensor of layout {layout}; lightning-sac profiles strided (dense) tensors only, "
+        f"whose storage it counts. {fix}. The model was not changed.",
         op=op,
         module=module,
     )

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.dryrun.cpu.kernels import rnn_layer_memory
+from lightning_sac.dryrun.cpu.kernels import reduced_loss_bytes, rnn_layer_memory
 from lightning_sac.dryrun.cpu.promotion import promotion_bytes
 from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
@@ -182,7 +182,11 @@ def cpu_output_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     """Bytes of the outputs whose fake kernel has another size than the CPU kernel, by output position.
 
     oneDNN's LSTM layer returns its training workspace, which backward reads, as its fourth output; the fake
-    kernel returns it empty (see :mod:`lightning_sac.dryrun.cpu.kernels`).
+    kernel returns it empty; a reduced MSE (and a few other losses) keeps its elementwise loss's storage (see
+    :mod:`lightning_sac.dryrun.cpu.kernels`).
     """
     rnn = rnn_layer_memory(func, args, kwargs)
-    return {3: rnn.workspace_bytes} if rnn is not None and func is aten.mkldnn_rnn_layer.default else {}
+    if rnn is not None and func is aten.mkldnn_rnn_layer.default:
+        return {3: rnn.workspace_bytes}
+    loss = reduced_loss_bytes(func, args, kwargs)
+    return {} if loss is None else {0: loss}

@@ -260,8 +260,12 @@ def composite_scratch(func: Any, args: tuple[Any, ...]) -> list[int]:
     over ``dim`` and a zero of the result's dtype, and zeroes those rows of its result: measured on torch 2.13's
     CPU kernel and 2.11's CUDA one (64 MiB beyond its output for an 8 x 8 x 1024 x 1024 input, exactly its
     elements' count in bytes, plus the rows' and the zero's). Where a recompute of attention sets a step's peak,
-    that is the peak.
+    that is the peak. ``soft_margin_loss_backward`` holds two temporaries of its input's size beyond its gradient.
     """
+    if func is aten.soft_margin_loss_backward.default:
+        # exp(-target * input) and two products of the input's size before the gradient (torch 2.13, CPU).
+        x = args[1]
+        return [x.numel() * x.element_size()] * 2
     if func is aten._safe_softmax.default and args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
         x, dim = args[0], int(args[1])
         dtype = args[2] if len(args) > 2 and isinstance(args[2], torch.dtype) else x.dtype

@@ -7,6 +7,8 @@ depend on oneDNN's internal layouts, not on a formula of the shapes that holds a
 from the kernels: once per layer shape, the real forward and backward run on synthetic inputs of the profiled
 shapes under torch.profiler, whose allocator events give the workspace's size and each call's peak beyond its
 outputs. Only for the CPU target; the random stream and the model are not touched.
+
+Some losses' reduced output keeps the storage of their elementwise loss (:func:`reduced_loss_bytes`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_sac.dryrun.measured import QuietProfile
 
-__all__ = ["RnnLayerMemory", "rnn_layer_memory"]
+__all__ = ["REDUCED_LOSSES", "RnnLayerMemory", "reduced_loss_bytes", "rnn_layer_memory"]
 
 aten = torch.ops.aten
 _FORWARD, _BACKWARD = aten.mkldnn_rnn_layer.default, aten.mkldnn_rnn_layer_backward.default
@@ -114,3 +116,32 @@ def rnn_layer_memory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             _PROBED[key] = _probe(forward)
         return _PROBED[key]
     return None
+
+
+#: Losses whose CPU kernel, with a ``mean`` or ``sum`` reduction, writes the elementwise loss into its output and
+#: reduces it there: the 0-d result keeps a storage as large as the input until the loss tensor dies (through the
+#: whole backward), where the fake kernel makes 4 bytes. Measured on torch 2.13: ``mse_loss``, ``smooth_l1_loss``,
+#: ``binary_cross_entropy`` and ``soft_margin_loss`` (not ``l1_loss``, ``huber_loss``, ``cross_entropy``...).
+#: A diffusion model's step (``F.mse_loss(unet(x_t), noise)``) was predicted an input's size under the measured.
+#: The position of ``reduction`` in each op's arguments.
+REDUCED_LOSSES = {
+    aten.mse_loss.default: 2,
+    aten.smooth_l1_loss.default: 2,
+    aten.binary_cross_entropy.default: 3,
+    aten.soft_margin_loss.default: 2,
+}
+
+
+def reduced_loss_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The bytes of a :data:`REDUCED_LOSSES` op's reduced output on the CPU, ``None`` for any other call."""
+    at = REDUCED_LOSSES.get(func)
+    if at is None:
+        return None
+    reduction = args[at] if len(args) > at else kwargs.get("reduction", 1)
+    if reduction == 0 or (func is aten.smooth_l1_loss.default and _beta(args, kwargs) == 0.0):
+        return None  # elementwise, as the fake kernel has it; smooth L1 with beta 0 runs l1_loss's path
+    return int(args[0].numel() * args[0].element_size())
+
+
+def _beta(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    return float(args[3]) if len(args) > 3 else float(kwargs.get("beta", 1.0))

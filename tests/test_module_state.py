@@ -81,6 +81,19 @@ def assert_trains_as_plain(family: Family, plan: Plan) -> None:
         assert [n for n in bufs0 if not torch.equal(bufs0[n], bufs1[n])] == []
 
 
+def test_a_model_whose_state_has_a_gradient_history_is_profiled():
+    # After a training step, _Carry.last holds a tensor with a gradient history, which torch cannot deep-copy: the
+    # dry run's copy failed with torch's RuntimeError ("Only Tensors created explicitly by the user ...").
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(32, 16)
+    model(x).square().sum().backward()
+    last = model.block[1].last
+    assert last is not None and last.grad_fn is not None
+    profile = profile_model(model, (x,), loss_fn=lambda out: out.square().sum(), device="cpu")
+    assert profile.module_state == {"block.1": "last"}
+    assert model.block[1].last is last  # the user's model keeps its own state
+
+
 def recurrent_gemma() -> Family:
     from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
 

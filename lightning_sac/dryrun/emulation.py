@@ -66,6 +66,13 @@ def fake_copy(
     memo: dict[int, Any] = {id(o): o for o in share}
     for b in model.buffers():
         memo[id(b)] = _fake_like(b, mode, device)
+    # State a forward with gradients left on a module (RecurrentGemma's recurrent_states after a step): torch
+    # cannot deep-copy a tensor with a gradient history. The copy gets it without one, as the next step reads it.
+    for m in model.modules():
+        for value in vars(m).values():
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in memo:
+                    memo[id(t)] = _fake_like(t.detach(), mode, device)
     # A TP style the per-rank copy does not reproduce is refused here, before anything runs, FSDP or not.
     tensor_parallel = check_tensor_parallel(model)
     if is_sharded(wrapper if wrapper is not None else model) or tensor_parallel:

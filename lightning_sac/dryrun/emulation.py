@@ -26,6 +26,7 @@ from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
 from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
 from lightning_sac.dryrun.cuda.sdpa import cuda_sdpa
+from lightning_sac.dryrun.modules.hooks import history_tensors
 from lightning_sac.ops import composite_scratch
 from lightning_sac.sharding import check_tensor_parallel, is_sharded, unsharded_memo
 
@@ -69,10 +70,9 @@ def fake_copy(
     # State a forward with gradients left on a module (RecurrentGemma's recurrent_states after a step): torch
     # cannot deep-copy a tensor with a gradient history. The copy gets it without one, as the next step reads it.
     for m in model.modules():
-        for value in vars(m).values():
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in memo:
-                    memo[id(t)] = _fake_like(t.detach(), mode, device)
+        for _, t in history_tensors(m):
+            if id(t) not in memo:
+                memo[id(t)] = _fake_like(t.detach(), mode, device)
     # A TP style the per-rank copy does not reproduce is refused here, before anything runs, FSDP or not.
     tensor_parallel = check_tensor_parallel(model)
     if is_sharded(wrapper if wrapper is not None else model) or tensor_parallel:

@@ -237,8 +237,6 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             where = user_source_line()
             is_real = self.is_real or (lambda t: not isinstance(t, FakeTensor))
             raise data_dependent_error(func, args, kwargs, err, is_real, module=module, where=where) from err
-        outputs = flat_tensors(out)
-        check_strided(func, outputs, self._running_module)  # a sparse result has no storage to count
         inputs = flat_tensors(args) + flat_tensors(list(kwargs.values()))
         for t in inputs:
             # A storage no op created was alive before the step (e.g. a tensor attribute): count it as such.
@@ -251,6 +249,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             # Most ops ask their arguments' device (36,000 of an 80-layer Llama step's 63,000 calls here): a query
             # makes no storage, runs no kernel, needs no workspace, and SAC ignores it. Nothing more to record.
             return out
+        outputs = flat_tensors(out)
+        check_strided(func, outputs, self._running_module)  # a sparse result has no storage to count
         inplace = is_inplace(func)
         # An op whose outputs all alias its inputs is a view whatever its schema says (_unsafe_view, alias):
         # it launches no kernel, and saving its output would pin its input's storage.

@@ -66,10 +66,10 @@ def _is_real_cpu(module: nn.Module) -> bool:
 def _most_ops(modules: Mapping[str, ModuleProfile]) -> float:
     # Half the forward ops of the step: the root's, or the largest module's where the root has no statistics.
     # Op counts, not the profile's times: a block timed at 0.42 of the step once read above half on a busy machine.
-    counts = [len(p.op_stats.func_names) for p in modules.values() if p.op_stats is not None]
     root = modules.get("")
-    total = len(root.op_stats.func_names) if root is not None and root.op_stats is not None else max(counts, default=0)
-    return total / 2
+    if root is not None and root.op_stats is not None:
+        return len(root.op_stats.func_names) / 2
+    return max((len(p.op_stats.func_names) for p in modules.values() if p.op_stats is not None), default=0) / 2
 
 
 def calibrate_modules(

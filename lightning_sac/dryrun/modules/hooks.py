@@ -9,6 +9,7 @@ which mixes these hooks in.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,22 +25,26 @@ from lightning_sac.dryrun.modules.inputs import input_spec
 from lightning_sac.dryrun.op_graph import OpGraph
 from lightning_sac.dryrun.step import tensors_of
 
-__all__ = ["ModuleHooks", "ModuleState", "stored_state"]
+__all__ = ["ModuleHooks", "ModuleState", "history_tensors", "stored_state"]
+
+
+def history_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each attribute of ``module`` holding a tensor with a gradient history (or a list or tuple of them), and it."""
+    for name, value in vars(module).items():
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                yield name, t
 
 
 def stored_state(module: nn.Module) -> str | None:
-    """An attribute of ``module`` that holds a tensor with a gradient history (or a list or tuple of them).
+    """An attribute of ``module`` that holds a tensor with a gradient history (:func:`history_tensors`).
 
     Set by its forward: the module keeps state computed from its inputs (RecurrentGemma's RG-LRU stores its last
     ``recurrent_states`` and starts the next call from them). A checkpoint's recompute reruns the forward on the
     state the forward left, not the one it began with, and stores it again: the recomputed values, and the ops
     run, need not be the forward's. A cache of constants (rotary embeddings' cos and sin) has no history.
     """
-    for name, value in vars(module).items():
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        if any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in items):
-            return name
-    return None
+    return next((name for name, _ in history_tensors(module)), None)
 
 
 @dataclass

@@ -401,3 +401,28 @@ FAMILIES["mixtral_grouped_mm"] = mixtral_grouped_mm
 FAMILIES["olmoe_eager"] = olmoe_eager
 FAMILIES["detr"] = detr
 FAMILIES["rwkv"] = rwkv
+
+
+def beit() -> Family:
+    """A BEiT image classifier with relative position bias: an index its code computes once per window size and
+    keeps in an LRU cache (``generate_relative_position_index``), stochastic depth and dropout."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = BeitConfig(
+        image_size=64,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        use_relative_position_bias=True,
+        drop_path_rate=0.1,
+        hidden_dropout_prob=0.1,
+        use_mean_pooling=True,
+        num_labels=10,
+    )
+    g = torch.Generator().manual_seed(1)
+    pixels, labels = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 10, (4,), generator=g)
+    return Family("beit", BeitForImageClassification(config).train(), {"pixel_values": pixels, "labels": labels})

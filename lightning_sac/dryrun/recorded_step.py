@@ -83,6 +83,9 @@ class RecordedStep:
         caches: The KV caches switched off (empty when the run kept them).
         flags: Modules with Hugging Face's ``gradient_checkpointing`` flag on.
         replaced: Those of ``flags`` the run turned off.
+        kept_values: Tensors the forward computed from the batch alone (no weights) that the model's code kept
+            after the step, in a cache (an LRU-cached position index) or on a module: a later step finds them
+            and does not compute them, so it runs fewer ops than this one.
     """
 
     recorder: StepRecorder
@@ -94,6 +97,7 @@ class RecordedStep:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     placeholders: list[dict[str, Any]] = field(default_factory=list)  # where stand-ins were used (placeholders.py)
     routing: list[dict[str, Any]] = field(default_factory=list)  # experts calls and their split (moe_routing.py)
+    kept_values: int = 0
 
 
 def optimizer_state(
@@ -188,7 +192,13 @@ def _zero_grad_steps(optimizers: list[torch.optim.Optimizer], params: list[nn.Pa
 
 
 def record_step(
-    model: nn.Module, example_inputs: Any, step: StepSpec, *, replace_existing: bool = False, kv_caches: bool = False
+    model: nn.Module,
+    example_inputs: Any,
+    step: StepSpec,
+    *,
+    replace_existing: bool = False,
+    kv_caches: bool = False,
+    warm_forward: bool = False,
 ) -> RecordedStep:
     """Run one training step of a fake copy of ``model`` on (copies of) ``example_inputs`` under the recorder.
 
@@ -199,6 +209,8 @@ def record_step(
         replace_existing: Turn the model's Hugging Face ``gradient_checkpointing`` flags off.
         kv_caches: Keep the model's KV caches on (the step as it runs without a plan); by default they are off,
             as a plan runs it (:mod:`lightning_sac.adapters.caches`).
+        warm_forward: Run the forward once, unrecorded, before the recorded step, so that what the model's code
+            caches (:attr:`RecordedStep.kept_values`) is there, as at every step of a fit after its first.
     """
     spec = step.device
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
@@ -253,6 +265,10 @@ def record_step(
         optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
         real_in("optimizer")
         _warm_up(fmodel, finputs, step, forward, optimizers, on_phase=real_in)
+        if warm_forward and forward is not None and not step.manual:
+            real_in("forward")
+            forward(fmodel, finputs)  # its loss and graph are dropped at once
+            real_in("optimizer")
         cpu = not spec.is_cuda
         recorder = StepRecorder(
             fmodel,
@@ -274,6 +290,7 @@ def record_step(
 
             def on_phase(phase: str) -> None:
                 real_in(phase)
+                real_values.keep_made = phase == "forward"
                 recorder.set_phase(phase)
 
             routing.calls.clear()  # the recorded step's calls, not the warm-up's
@@ -295,6 +312,16 @@ def record_step(
             recorder.close()
             if cpu:
                 kernel_scratch.save()  # what this dry run measured, for the next process on this host
+    del finputs  # the batch's copies: what the step's code kept is what is still alive without them
     return RecordedStep(
-        recorder, fmodel, watch, caches, flags, replaced, optimizers, placeholders.sites, routing=routing.calls
+        recorder,
+        fmodel,
+        watch,
+        caches,
+        flags,
+        replaced,
+        optimizers,
+        placeholders.sites,
+        routing=routing.calls,
+        kept_values=real_values.kept(),
     )

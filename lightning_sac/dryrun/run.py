@@ -60,6 +60,15 @@ def dry_run(
     """
     # Run again when scalar reads got stand-ins, to check they decided nothing (dryrun/values/placeholders.py).
     run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
+    warm = run.kept_values > 0
+    if warm:
+        # The model's code kept values it computed (an LRU-cached index, a module's lazily built table): every step
+        # of a fit after its first finds them, and runs fewer ops than the recorded one did. Planned modules would
+        # meet other ops than profiled (their policy falls back, off the plan's memory), so the step is recorded
+        # again after an unrecorded forward, as the fit's later steps run. Costs a dry run, only for such models.
+        run = record_checked(
+            lambda: record_step(model, example_inputs, step, replace_existing=replace_existing, warm_forward=True)
+        )
     profile = _profile(model, example_inputs, step, run, estimate)
     with_caches = None
     if run.caches.switched_off:
@@ -67,7 +76,9 @@ def dry_run(
         # less than without them: fused projections' views keep their buffers, caches' copies free them).
         # Its stand-ins are checked as the first run's were (a distribution's argument check needs the other answer).
         cached = record_checked(
-            lambda: record_step(model, example_inputs, step, replace_existing=replace_existing, kv_caches=True)
+            lambda: record_step(
+                model, example_inputs, step, replace_existing=replace_existing, kv_caches=True, warm_forward=warm
+            )
         )
         with_caches = functools.partial(_profile, model, example_inputs, step, cached, estimate)
         profile.kv_cache_peak = cached.recorder.memory.peak.peak_snapshot

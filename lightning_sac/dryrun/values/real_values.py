@@ -138,6 +138,10 @@ class RealValuesMode(TorchDispatchMode):
         self.enabled = True
         # Storages of real tensors that ops with fake inputs wrote to: their values are unknown now.
         self._unknown: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # What ops computed for real, while ``keep_made``: those alive after the step were kept by the model's
+        # code (a cache) and are not computed again by the next step (:attr:`kept`).
+        self.keep_made = False
+        self._made: list[weakref.ref[torch.Tensor]] = []
 
     def is_real(self, t: torch.Tensor) -> bool:
         """Whether ``t`` holds the real step's values."""
@@ -146,6 +150,10 @@ class RealValuesMode(TorchDispatchMode):
         storage = t.untyped_storage()
         ref = self._unknown.get(id(storage))
         return ref is None or ref() is not storage
+
+    def kept(self) -> int:
+        """How many tensors computed for real while :attr:`keep_made` are still alive."""
+        return sum(ref() is not None for ref in self._made)
 
     def _forget(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -235,10 +243,12 @@ class RealValuesMode(TorchDispatchMode):
                 return target.fill_(top)
             return torch.full(tuple(target.shape), top.item(), dtype=target.dtype, device=target.device)
 
-    @staticmethod
-    def _real(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with unset_fake_temporarily():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if self.keep_made and not func._schema.is_mutable:
+            self._made.extend(weakref.ref(t) for t in flat_tensors(out) if not isinstance(t, FakeTensor))
+        return out
 
     def _boolean_indexed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], err: BaseException) -> Any:
         """``x[mask]`` and ``x[mask] = v`` on fake ``x`` with a real boolean ``mask``: index with its positions."""

@@ -107,12 +107,16 @@ def _holders(storage: torch.UntypedStorage, tensors: list[torch.Tensor]) -> int:
     return len(held)
 
 
-def writable_copies(flat: list[Any], written: list[int]) -> dict[int, torch.Tensor]:
+def writable_copies(
+    flat: list[Any], written: list[int], read_later: frozenset[int] = frozenset()
+) -> dict[int, torch.Tensor]:
     """For each written argument (its ``id``), a tensor of the same view on a storage the recompute may write.
 
     A storage no tensor outside ``flat`` holds (the recompute's own previous version, freed by its last consumer)
     is written as it is; any other (a saved tensor, a cached version another consumer still reads) is copied
     first, keeping its layout so that every view's offsets still hold. Arguments on one storage share one copy.
+    ``read_later``: positions of written arguments the graph knows other consumers still read (a cached output
+    is the very tensor object the recompute got, which the storage's use count cannot tell apart).
     """
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
     storages: dict[int, torch.UntypedStorage] = {}
@@ -122,7 +126,7 @@ def writable_copies(flat: list[Any], written: list[int]) -> dict[int, torch.Tens
         storage = t.untyped_storage()
         if id(storage) not in storages:
             # The use count holds the tensors' references and the one of the storage object we hold here.
-            shared = torch._C._storage_Use_Count(storage._cdata) > _holders(storage, tensors) + 1
+            shared = i in read_later or torch._C._storage_Use_Count(storage._cdata) > _holders(storage, tensors) + 1
             storages[id(storage)] = storage.clone() if shared else storage
         target = storages[id(storage)]
         if target is storage:

@@ -28,7 +28,7 @@ from lightning_sac.dryrun.modules.own_checkpoints import CheckpointWatch, checkp
 from lightning_sac.dryrun.recorder import StepRecorder
 from lightning_sac.dryrun.runtime import RuntimeEstimator
 from lightning_sac.dryrun.step import ComputeLoss, ManualStep, manual_training_step, tensors_of, training_step
-from lightning_sac.dryrun.values.compat import plain_tensor_paths, real_step_answers
+from lightning_sac.dryrun.values.compat import plain_tensor_paths, real_step_answers, same_type_conversions
 from lightning_sac.dryrun.values.host_reads import HostArrays
 from lightning_sac.dryrun.values.meta_fallback import quiet_meta_failures
 from lightning_sac.dryrun.values.moe_routing import EvenRouting
@@ -251,6 +251,7 @@ def record_step(
         flags_off(fmodel, replaced),
         real_step_answers(),
         plain_tensor_paths(),  # CTC's lengths as ATen reads them from plain tensors (compat.py)
+        same_type_conversions(fmodel),  # a router's .to(its own dtype) at every forward (compat.py)
         quiet_meta_failures(),  # a failing meta kernel is answered or reported (meta_fallback.py), not logged
         watch,
         switch,

@@ -23,9 +23,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["FAKE_TENSOR_CHECKS", "SUBCLASS_PATHS", "plain_tensor_paths", "real_step_answers"]
+from lightning_sac.errors import ProfilingError
+
+__all__ = ["FAKE_TENSOR_CHECKS", "SUBCLASS_PATHS", "plain_tensor_paths", "real_step_answers", "same_type_conversions"]
 
 #: ``(module, attribute)`` of each fake-tensor check answered ``False`` during the dry run.
 FAKE_TENSOR_CHECKS: tuple[tuple[str, str], ...] = (("transformers.utils.import_utils", "is_fake_tensor"),)
@@ -97,3 +100,44 @@ def plain_tensor_paths() -> Iterator[None]:
     finally:
         for module, attribute, original in reversed(patched):
             setattr(module, attribute, original)
+
+
+@contextlib.contextmanager
+def same_type_conversions(model: nn.Module) -> Iterator[None]:
+    """Within the block, a module conversion that changes none of its fake tensors leaves the module as it is.
+
+    Hugging Face's routers (SwitchTransformers, NLLB-MoE) run ``self.classifier = self.classifier.to(self.dtype)``
+    at every forward, a no-op once the dtype is right. On plain tensors ``Module._apply`` then sets each
+    parameter's data to itself; on fake ones torch swaps every parameter for the converted one
+    (``torch.utils.swap_tensors``), which fails on a tensor anything holds a weak reference to, as the fake mode
+    does: ``RuntimeError: _apply(): Couldn't swap Linear.weight``. A conversion that would change a fake tensor
+    is refused with a ProfilingError naming the module (its name in ``model``, the dry run's fake copy).
+    """
+    original = nn.Module._apply
+    names = {id(m): fqn for fqn, m in model.named_modules()}
+
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        modules = self.modules() if recurse else iter([self])
+        tensors = [t for m in modules for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+        if not any(isinstance(t, FakeTensor) for t in tensors):
+            return original(self, fn, recurse)
+        with torch.no_grad():
+            if all(fn(t) is t for t in tensors):
+                return self  # what the plain tensors' path amounts to: each tensor set to itself
+        try:
+            return original(self, fn, recurse)
+        except RuntimeError as err:
+            where = names.get(id(self))
+            raise ProfilingError(
+                f"Module {where or '<root>'!r} ({type(self).__name__}) converts its parameters or buffers during the "
+                "step (Module.to, .float(), "
+                "...: torch swaps each for its converted copy, which the dry run's fake tensors do not allow). "
+                "Convert the model before profiling (a router cast to its router dtype: cast it once after "
+                f"loading), so that the conversion in the step changes nothing. The model was not changed. torch said: {err}"
+            ) from err
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original  # type: ignore[method-assign]

@@ -133,7 +133,8 @@ def same_type_conversions(model: nn.Module) -> Iterator[None]:
                 "step (Module.to, .float(), "
                 "...: torch swaps each for its converted copy, which the dry run's fake tensors do not allow). "
                 "Convert the model before profiling (a router cast to its router dtype: cast it once after "
-                f"loading), so that the conversion in the step changes nothing. The model was not changed. torch said: {err}"
+                "loading), so that the conversion in the step changes nothing. The model was not changed. "
+                f"torch said: {err}"
             ) from err
 
     nn.Module._apply = _apply  # type: ignore[method-assign]

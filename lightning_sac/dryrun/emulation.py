@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.library import Library
 
 from lightning_sac.devices import DeviceSpec
-from lightning_sac.dryrun.cpu.kernels import reduced_loss_bytes, rnn_layer_memory
+from lightning_sac.dryrun.cpu.kernels import reduced_loss_bytes, reduced_loss_scratch, rnn_layer_memory
 from lightning_sac.dryrun.cpu.promotion import promotion_bytes
 from lightning_sac.dryrun.cpu.scratch import kernel_scratch
 from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastRegions, KernelOverride
@@ -167,7 +167,8 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     measured on the kernel (:mod:`lightning_sac.dryrun.cpu.kernels`). A pointwise op whose operands' dtypes
     differ (an fp32 residual plus a bf16 branch under autocast) converts them to the common dtype first
     (:mod:`lightning_sac.dryrun.cpu.promotion`). CTC's backward holds a tensor the size of the forward's
-    ``log_alpha``. A composite's own scratch (:func:`~lightning_sac.ops.composite_scratch`) as it allocates it.
+    ``log_alpha``. A composite's own scratch (:func:`~lightning_sac.ops.composite_scratch`) as it allocates it. A
+    reduced MSE, smooth L1 or Huber loss an elementwise buffer of its input's size (``reduced_loss_scratch``).
     """
     scratch = kernel_scratch(func, args, kwargs, out)
     if scratch is not None:
@@ -182,6 +183,9 @@ def cpu_workspace_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     composite = composite_scratch(func, args)
     if composite:
         return sum(composite)
+    loss = reduced_loss_scratch(func, args, kwargs)
+    if loss:
+        return loss
     return promotion_bytes(func, args, kwargs, out)
 
 

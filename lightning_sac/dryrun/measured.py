@@ -223,7 +223,10 @@ def measure_training_step(
         else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     )
     grads = [p.grad for p in params if p.grad is not None]
-    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs))
+    # Tensors modules keep as plain attributes (a fixed sinusoid table, as VideoMAE's) live through the step like
+    # buffers; the dry run counts them when the step reads them.
+    attributes = [v for m in model.modules() for v in vars(m).values() if type(v) is torch.Tensor]
+    baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs) + attributes)
     # Garbage of earlier code that the cyclic collector reclaimed mid-step would lower the measured peak by its
     # size (see QuietProfile): collect it first.
     gc.collect()

@@ -217,14 +217,10 @@ def measure_training_step(
     optimizer = optimizer_factory(params) if optimizer_factory is not None else None
     if optimizer is not None:
         training_step(model, inputs, compute_loss, optimizer)
-    state = (
-        []
-        if optimizer is None
-        else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    )
+    states = [] if optimizer is None else list(optimizer.state.values())
+    state = [v for s in states for v in s.values() if isinstance(v, torch.Tensor)]
     grads = [p.grad for p in params if p.grad is not None]
-    # Tensors modules keep as plain attributes (a fixed sinusoid table, as VideoMAE's) live through the step like
-    # buffers; the dry run counts them when the step reads them.
+    # Plain tensor attributes of modules (VideoMAE's sinusoid tables) live through the step as buffers do.
     attributes = [v for m in model.modules() for v in vars(m).values() if type(v) is torch.Tensor]
     baseline = unique_bytes(params + list(model.buffers()) + grads + state + tensors_of(inputs) + attributes)
     # Garbage of earlier code that the cyclic collector reclaimed mid-step would lower the measured peak by its

@@ -34,15 +34,9 @@ from lightning_sac.apply.graph.policy import (
     PolicyFn,
     compose_policies,
 )
-from lightning_sac.apply.graph.writes import (
-    StorageView,
-    Versions,
-    from_outside,
-    writable_copies,
-    written_storages,
-)
+from lightning_sac.apply.graph.writes import Versions, from_outside, read_later, writable_copies, written_storages
 from lightning_sac.apply.planned import CallState, PlannedForward
-from lightning_sac.ops import is_random, is_sac_ignored, is_view_like, mutated_tensors
+from lightning_sac.ops import is_random, is_sac_ignored, mutated_tensors
 
 __all__ = [
     "GraphCheckpointForward",
@@ -201,7 +195,7 @@ class _Graph:
         if node.mutates:
             # Never write into a cached or saved tensor other consumers may still read: write into a copy.
             flat, refs = leaves((args, kwargs)), leaves((node.args, node.kwargs))
-            copies = writable_copies(flat, node.mutates, frozenset(i for i in node.mutates if _read_later(refs[i])))
+            copies = writable_copies(flat, node.mutates, frozenset(i for i in node.mutates if read_later(refs[i])))
             args, kwargs = map_args(
                 (args, kwargs), lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t
             )
@@ -292,23 +286,6 @@ class _Graph:
                     if node.saved is not None and not node.versions:
                         node.versions = [-1 if t is None else t._version for t in node.saved]
             self.saved_on.clear()
-
-
-def _read_later(ref: Any) -> bool:
-    """Whether a consumer other than the one recomputing now still reads ``ref``'s value, or what it views.
-
-    ``w /= w.sum()``: autograd keeps a clone of ``w`` taken before the write (the divisor's gradient reads it),
-    and the clone's recompute reads the same cached output of ``w``'s maker as the write's: written in place,
-    the clone would read the divided values (gradients off by orders of magnitude).
-    """
-    while isinstance(ref, Ref):
-        node = ref.node
-        if node.uses[ref.index] > 0 or (node.saved is not None and node.saved[ref.index] is not None):
-            return True
-        if not (isinstance(node.func, StorageView) or is_view_like(node.func)):
-            return False
-        ref = leaves((node.args, node.kwargs))[0]  # a view's first argument is the tensor it views
-    return False
 
 
 class _RecordMode(TorchDispatchMode):

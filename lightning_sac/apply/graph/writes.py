@@ -22,7 +22,7 @@ import torch
 from lightning_sac.apply.graph.nodes import Leaf, Node, Ref, leaves
 from lightning_sac.ops import is_view_like
 
-__all__ = ["StorageView", "Versions", "from_outside", "writable_copies", "written_storages"]
+__all__ = ["StorageView", "Versions", "from_outside", "read_later", "writable_copies", "written_storages"]
 
 
 class StorageView:
@@ -136,6 +136,23 @@ def writable_copies(
                 target, t.storage_offset(), t.size(), t.stride()
             )
     return copies
+
+
+def read_later(ref: Any) -> bool:
+    """Whether a consumer other than the one recomputing now still reads ``ref``'s value, or what it views.
+
+    ``w /= w.sum()``: autograd keeps a clone of ``w`` taken before the write (the divisor's gradient reads it),
+    and the clone's recompute reads the same cached output of ``w``'s maker as the write's: written in place,
+    the clone would read the divided values (gradients off by orders of magnitude).
+    """
+    while isinstance(ref, Ref):
+        node = ref.node
+        if node.uses[ref.index] > 0 or (node.saved is not None and node.saved[ref.index] is not None):
+            return True
+        if not (isinstance(node.func, StorageView) or is_view_like(node.func)):
+            return False
+        ref = leaves((node.args, node.kwargs))[0]  # a view's first argument is the tensor it views
+    return False
 
 
 def from_outside(ref: Any) -> bool:

@@ -106,17 +106,22 @@ def _held(module: ModuleProfile) -> list[list[int]]:
     return module.freed_inputs + (module.freed_outputs if keeps_output else [])
 
 
-def checkpoint_state_bytes(profile: ModelProfile) -> int:
-    """Device bytes one checkpoint region keeps from its forward until its backward, besides activations.
+def checkpoint_state_bytes(profile: ModelProfile, fqn: str | None = None, backend: str = "sac") -> int:
+    """Device bytes a checkpoint region keeps from its forward until its backward, besides activations.
 
-    ``torch.utils.checkpoint`` (and the graph backend for a region with random ops) stashes the CPU generator's
-    state, a ``uint8`` tensor of a few KiB, to replay the region's random ops: memory of the target itself when
-    the target is this CPU, host memory (not counted) for a GPU, whose own generator state is stashed on the
-    host too.
+    ``torch.utils.checkpoint`` stashes the CPU generator's state once per region, a ``uint8`` tensor of a few KiB,
+    to replay the region's random ops; the graph backend stashes it at each random op of the region (module
+    ``fqn``), to replay any of them alone (5 KiB per dropout: an Informer's graph plans measured up to 2.8% above
+    their budget on a tiny model before it was counted). Memory of the target itself when the target is this CPU,
+    host memory (not counted) for a GPU, whose own generator state is stashed on the host too.
     """
     if profile.device.is_cuda:
         return 0
-    return profile.device.round_bytes(torch.get_rng_state().nbytes)
+    state = profile.device.round_bytes(torch.get_rng_state().nbytes)
+    if backend == "sac" or fqn is None:
+        return state
+    stats = profile.modules[fqn].op_stats
+    return state * (len(stats.rand_ops) if stats is not None else 0)
 
 
 def _first_events(profile: ModelProfile, kind: str) -> dict[str, int]:
@@ -186,6 +191,7 @@ def memory_constraints(
     *,
     world_size: int = 1,
     sharding: str = "replicated",
+    backend: str = "sac",
 ) -> list[MemoryConstraint]:
     """The constraints of a step, merged so that each set of absent candidates appears once with its worst base.
 
@@ -195,6 +201,7 @@ def memory_constraints(
             start)``: its activations can be absent in the intervals between the two.
         world_size: Devices the step runs on.
         sharding: ``"replicated"`` or ``"sharded"``.
+        backend: What a checkpoint keeps besides activations depends on it (:func:`checkpoint_state_bytes`).
     """
     worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
     first: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
@@ -205,7 +212,7 @@ def memory_constraints(
     # Both depend on the timeline index alone and change at few of them: computed once per index by sweeps (one
     # pass per candidate and index was quadratic in the model's depth).
     absent_at = _absent_sets(windows, len(timeline))
-    kept_at = _kept_bytes(profile, windows, fsdp)
+    kept_at = _kept_bytes(profile, windows, fsdp, backend)
 
     def add(base: int, k: int, recompute: str | None) -> None:
         key = (absent_at[k], recompute, kept_at[k])
@@ -245,7 +252,7 @@ def _absent_sets(windows: Mapping[str, tuple[int, int]], length: int) -> list[fr
 
 
 def _kept_bytes(
-    profile: ModelProfile, windows: Mapping[str, tuple[int, int]], fsdp: ShardedStep | None
+    profile: ModelProfile, windows: Mapping[str, tuple[int, int]], fsdp: ShardedStep | None, backend: str
 ) -> list[tuple[tuple[str, int], ...]]:
     """Per timeline index ``at``, ``(candidate, bytes)`` its checkpoint keeps alive there that the plain step does not.
 
@@ -255,9 +262,10 @@ def _kept_bytes(
     """
     length = len(profile.timeline)
     ends = backward_ends(profile)
-    # A checkpoint also keeps the generator state it stashed, from its forward's start on.
-    state, starts = checkpoint_state_bytes(profile), _forward_starts(profile)
-    held_inputs = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
+    # A checkpoint also keeps the generator states it stashed, from its forward's start on.
+    states = {j: checkpoint_state_bytes(profile, j, backend) for j in windows}
+    starts = _forward_starts(profile)
+    held_inputs = {j: _held(profile.modules[j]) + ([[starts[j], states[j]]] if states[j] else []) for j in windows}
     # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
     gathers = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
     changes: dict[int, list[tuple[str, int]]] = {}  # index -> (candidate, bytes its held inputs grow by there)

@@ -237,7 +237,7 @@ def _solve(
     device_room = int(profile.device.memory_gib * _GIB) - base.total
     cands = find_candidates(profile, candidates, n_segments, backend, masks)
     windows = {c.fqn: c.window for c in cands}
-    constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding)
+    constraints = memory_constraints(profile, windows, world_size=world_size, sharding=sharding, backend=backend)
     unconstrained = peak_with_plan(constraints, {}, {})
     # The model as it runs without a plan: with its KV caches on, when the profile ran without them.
     plain = unconstrained

@@ -11,6 +11,7 @@ import highspy
 
 from lightning_sac.adapters import sac_sees_outputs
 from lightning_sac.dryrun import ModelProfile, profile_fingerprint, routing_bound_bytes
+from lightning_sac.errors import BudgetError
 from lightning_sac.plan import ModuleDecision, Plan, StepFragmentation, check_backend, device_reserve
 from lightning_sac.solver.candidates import Candidate, budget_error, find_candidates, op_stats
 from lightning_sac.solver.decisions import Found, alternative_plans, lowest_plan, plan_decisions, plan_peak, whole_costs
@@ -122,7 +123,12 @@ def solve_plan(
         tries = [(n, m) for m in dict.fromkeys((masks, False)) for n in fits][1:]
         for n, m in tries:
             # The finer fit's plans at lower limits (alternative_plans): it misranks plans less than the coarser.
-            other, _ = _solve(profile, budget_gb, n, *args, m, fragmentation, lower_limits=n > n_segments)
+            try:
+                other, _ = _solve(profile, budget_gb, n, *args, m, fragmentation, lower_limits=n > n_segments)
+            except BudgetError:
+                # Near the minimum, another fit's least plan can lie above the budget the first fit's met: that
+                # fit has no plan to offer, and the minimum the first fit reported stays reachable.
+                continue
             if other.predicted_step_ms < plan.predicted_step_ms:
                 plan = other
     if profile.routing:  # mixture-of-experts layers: what an uneven routing can add (dryrun/values/moe_routing.py)

@@ -304,8 +304,13 @@ class _Dropouts(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("backend", ["sac", "graph"])
 @pytest.mark.parametrize("k", [2, 8])
-def test_a_graph_plan_counts_the_generator_state_it_keeps_at_each_random_op(k):
+def test_a_plan_counts_the_generator_states_its_checkpoints_keep(k, backend):
+    """The graph backend keeps the CPU generator's state (5,056 bytes) at each random op of a region until the
+    region's backward; a SAC checkpoint keeps one per region, and both fork another while they rerun. Before, the
+    graph's per-op states went uncounted (3 x k states above the prediction and the budget), and so did the fork
+    (5 KiB above a SAC plan's budget)."""
     from lightning_sac import BudgetError, apply_plan, profile_model, solve_plan
     from lightning_sac.dryrun.measured import measure_training_step
 
@@ -315,15 +320,20 @@ def test_a_graph_plan_counts_the_generator_state_it_keeps_at_each_random_op(k):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     profile = profile_model(model, (x,), loss_fn=loss, optimizer_factory=sgd, device="cpu")
     with pytest.raises(BudgetError) as info:
-        solve_plan(profile, 1e-9, backend="graph")
+        solve_plan(profile, 1e-9, backend=backend)
     budget = info.value.minimum_bytes * 1.001
-    plan = solve_plan(profile, budget / 2**30, backend="graph")
+    plan = solve_plan(profile, budget / 2**30, backend=backend)
     planned = copy.deepcopy(model)
     apply_plan(planned, plan)
     measured = measure_training_step(planned, (x,), loss_fn=loss, optimizer_factory=sgd).peak_bytes
-    # To the byte: each recorded dropout keeps the CPU generator's state (5,056 bytes) until the region's backward.
-    # Before, none of them was counted and this step measured 3 x k states above its prediction and its budget.
-    assert measured == plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes <= budget
+    if backend == "sac":
+        # Within dropout's two scalars (8 and 4 bytes), which no fake kernel shows.
+        assert 0 <= measured - plan.predicted_peak_bytes <= 12
+    else:
+        # The graph forks the state only around a random op it reruns, which need not be at the peak: at most one
+        # state over.
+        assert 0 <= plan.predicted_peak_bytes - measured <= torch.get_rng_state().numel()
 
 
 def test_a_graph_plan_lets_go_of_saved_outputs_nothing_reads():

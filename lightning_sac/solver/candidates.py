@@ -13,7 +13,7 @@ from lightning_sac.dryrun import ModelProfile, ModuleOpStats, ModuleProfile
 from lightning_sac.errors import BudgetError
 from lightning_sac.plan import device_reserve
 from lightning_sac.solver.masks import masked_view
-from lightning_sac.solver.memory_model import activation_windows
+from lightning_sac.solver.memory_model import activation_windows, recompute_state_bytes
 from lightning_sac.solver.recompute import output_indices, recompute_transient, rerun_output_bytes
 from lightning_sac.solver.tradeoff import ModuleTradeoff, module_tradeoff
 
@@ -139,9 +139,10 @@ def find_candidates(
         tradeoff = module_tradeoff(masked_view(m.op_stats, backend) if masks else m.op_stats, n_segments, backend)
         if tradeoff.total_memory == 0 or retained == 0:
             continue  # nothing to free
+        state = recompute_state_bytes(profile, fqn, backend)
         bound = recompute_transient(m.op_stats, None, backend)
         if bound is None:  # a profile without op lifetimes
-            bound = forward_temporaries(m) + rerun_output_bytes(m.op_stats, None, backend)
+            bound = forward_temporaries(m) + rerun_output_bytes(m.op_stats, None, backend) + state
             found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, (float(bound), 0.0)))
             continue
         # Everything _transient_line reads; the trade-offs are alive here, so their ids tell them apart.
@@ -149,8 +150,8 @@ def find_candidates(
         key = (id(tradeoff), bound, len(stats.func_names), stats.recompute_stop, *map(tuple, _line_inputs(stats)))
         if key not in lines:
             lines[key] = _transient_line(stats, tradeoff, bound, backend)
-        line = lines[key]
-        found.append(Candidate(fqn, windows[fqn], retained, bound, tradeoff, line))
+        line = (lines[key][0] + state, lines[key][1])
+        found.append(Candidate(fqn, windows[fqn], retained, bound + state, tradeoff, line))
     return found
 
 

@@ -11,7 +11,13 @@ from lightning_sac.solver.candidates import Candidate, find_candidates, forward_
 from lightning_sac.solver.highs import new_highs
 from lightning_sac.solver.knapsack import optimal_op_policy, torchtitan_op_policy
 from lightning_sac.solver.masks import masked_view, realize
-from lightning_sac.solver.memory_model import MemoryConstraint, constant_floor, memory_constraints, peak_with_plan
+from lightning_sac.solver.memory_model import (
+    MemoryConstraint,
+    constant_floor,
+    memory_constraints,
+    peak_with_plan,
+    recompute_state_bytes,
+)
 from lightning_sac.solver.recompute import (
     overhead_ms,
     recompute_ms,
@@ -75,8 +81,8 @@ def _transient(profile: ModelProfile, fqn: str, policy: list[int], backend: str,
     stats = op_stats(profile, fqn)
     exact = recompute_transient(stats, policy, backend, masked)
     if exact is None:  # a profile without op lifetimes
-        return forward_temporaries(profile.modules[fqn]) + rerun_output_bytes(stats, policy, backend)
-    return exact
+        exact = forward_temporaries(profile.modules[fqn]) + rerun_output_bytes(stats, policy, backend)
+    return exact + recompute_state_bytes(profile, fqn, backend)
 
 
 def past_the_stop_recomputed(stats: ModuleOpStats, policy: list[int], backend: str) -> list[int]:

@@ -36,6 +36,7 @@ __all__ = [
     "device_model",
     "memory_constraints",
     "peak_with_plan",
+    "recompute_state_bytes",
 ]
 
 _SHARDED = ("parameter", "gradient", "optimizer_state")
@@ -122,6 +123,20 @@ def checkpoint_state_bytes(profile: ModelProfile, fqn: str | None = None, backen
         return state
     stats = profile.modules[fqn].op_stats
     return state * (len(stats.rand_ops) if stats is not None else 0)
+
+
+def recompute_state_bytes(profile: ModelProfile, fqn: str, backend: str = "sac") -> int:
+    """Device bytes a recompute of module ``fqn`` holds while it runs besides tensors: a generator state it forks.
+
+    ``torch.utils.checkpoint`` reruns a region under ``torch.random.fork_rng``, which copies the CPU generator's
+    state for the rerun's length whether or not the region draws (5 KiB, measured above a SAC plan's prediction at
+    its minimum); the graph backend forks it around each random op it reruns. Host memory for a GPU target.
+    """
+    if profile.device.is_cuda:
+        return 0
+    state = profile.device.round_bytes(torch.get_rng_state().nbytes)
+    stats = profile.modules[fqn].op_stats
+    return state if backend == "sac" or (stats is not None and stats.rand_ops) else 0
 
 
 def _first_events(profile: ModelProfile, kind: str) -> dict[str, int]:

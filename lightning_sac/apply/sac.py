@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_sac.adapters import sac_sees_outputs
-from lightning_sac.apply.planned import CallState, PlannedForward, bound
+from lightning_sac.apply.planned import CallState, PlannedForward
+from lightning_sac.apply.rerun_args import rerunnable
 from lightning_sac.apply.skip_dead import SkipDeadOps
 from lightning_sac.errors import LightningSACError
 from lightning_sac.plan import ModuleDecision
@@ -162,11 +163,11 @@ class SelectiveCheckpointForward(PlannedForward):
         if self.kinds.get(kind):
             state.unobserved = True
             if not self.skipped:
-                return checkpoint(bound(self.inner, kwargs), *args, use_reentrant=False)
+                return checkpoint(rerunnable(self.inner, args, kwargs), *args, use_reentrant=False)
             # The recompute alone runs under a dispatch mode, which sees every op of it: the one that skips.
             order = range(len(self.names))
             return checkpoint(
-                bound(self.inner, kwargs),
+                rerunnable(self.inner, args, kwargs),
                 *args,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), self._skipper(order)),
@@ -204,4 +205,4 @@ class SelectiveCheckpointForward(PlannedForward):
 
             return forward, _Beneath(recompute, skipper)
 
-        return checkpoint(bound(self.inner, kwargs), *args, use_reentrant=False, context_fn=contexts)
+        return checkpoint(rerunnable(self.inner, args, kwargs), *args, use_reentrant=False, context_fn=contexts)

@@ -10,7 +10,10 @@ the module on copies of the call's lists and dicts as they were when it began (`
 from __future__ import annotations
 
 import copy
+import random
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -115,3 +118,66 @@ def test_a_module_that_appends_to_its_list_argument_does_so_once():
     loss, grads = _grads(planned, x)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(grads[n], g) for n, g in plain.items())
+
+
+class _HostRandom(nn.Module):
+    """A block whose output depends on Python's or NumPy's global generator, drawn in its forward."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+        self.mlp = nn.Sequential(nn.Linear(D, 128), nn.GELU(), nn.Linear(128, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(x)
+        if self.source == "numpy":  # a feature mask from NumPy's global generator
+            keep = torch.from_numpy((np.random.rand(D) > 0.3).astype(np.float32))
+        else:  # a scale from Python's
+            keep = torch.full((D,), random.uniform(0.5, 1.5))
+        return x + h * keep
+
+
+@pytest.mark.parametrize("source", ["numpy", "python"])
+def test_a_module_drawing_from_a_host_generator_reruns_the_same_numbers(source):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_HostRandom(source) for _ in range(3)], nn.Linear(D, 1))
+    x = torch.randn(512, D)
+    loss_fn = lambda out: out.square().mean()  # noqa: E731
+    profile = profile_model(model, (x,), loss_fn=loss_fn, device="cpu")
+    with pytest.raises(BudgetError) as info:
+        solve_plan(profile, 1e-9)
+    plan = solve_plan(profile, info.value.minimum_bytes * 1.02 / 2**30)
+    assert plan.decisions
+
+    def two_steps(m: nn.Module) -> list[Any]:
+        random.seed(3)
+        np.random.seed(3)
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        record = []
+        for _ in range(2):
+            loss = loss_fn(m(x))
+            loss.backward()
+            record.append([loss.detach()] + [p.grad.clone() for p in m.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        # The generators move on as in the plain step: the recompute's draws are not taken from them.
+        record.append([torch.tensor(random.random()), torch.tensor(np.random.rand())])
+        return record
+
+    plain = two_steps(copy.deepcopy(model))
+    planned = copy.deepcopy(model)
+    apply_plan(planned, plan)
+    got = two_steps(planned)  # before: other gradients (the recompute drew other numbers), no error
+    assert all(torch.equal(a, b) for ra, rb in zip(plain, got, strict=True) for a, b in zip(ra, rb, strict=True))
+
+
+def test_profiling_leaves_the_host_generators_as_it_found_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(_HostRandom("numpy"), _HostRandom("python"), nn.Linear(D, 1))
+    random.seed(5)
+    np.random.seed(5)
+    expected = random.random(), np.random.rand()
+    random.seed(5)
+    np.random.seed(5)
+    profile_model(model, (torch.randn(64, D),), loss_fn=lambda out: out.square().mean(), device="cpu")
+    assert (random.random(), np.random.rand()) == expected  # before: moved on by every dry run of the forward

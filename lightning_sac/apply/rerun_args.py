@@ -1,11 +1,30 @@
-"""Arguments a checkpoint's recompute gets: the lists and dicts of the first call as they were when it began."""
+"""What a checkpoint's recompute reruns a module with: its first call's lists, dicts and host generators.
+
+``torch.utils.checkpoint`` reruns a module's Python code from the arguments it kept and with torch's generators as
+they were; everything else the code reads is as it is at the recompute. Two things it reads are restored here for
+the SAC backend, so that a rerun computes what the forward did:
+
+* **Lists and dicts passed in.** ``checkpoint`` keeps a non-tensor argument as the object itself: torchvision's
+  DenseNet passes each layer the block's list of features and appends the layer's output after the call, so the
+  recompute read one more tensor (a shape error in backward, or, where shapes matched, silently other values). The
+  first call copies each list and dict (not the items: tensors are not copied) before the module runs on the
+  caller's own; every rerun gets a fresh copy of those copies at their places, and the tensors ``checkpoint``
+  passes (version-checked) everywhere else.
+* **Python's and NumPy's global generators.** A module that draws from ``random`` or ``np.random`` (a layer skipped
+  by ``random.random()``, a mask from ``np.random.rand``) drew other numbers in the recompute and trained other
+  gradients, silently. Their states at the first call are set for each rerun and put back after it, as
+  ``checkpoint`` does for torch's own. A generator object the module owns (``np.random.default_rng()``) is not.
+
+The graph backend replays recorded ops, not Python, and needs neither.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import random
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
-
-from lightning_sac.apply.planned import bound
 
 __all__ = ["Rerunnable", "rerunnable"]
 
@@ -27,31 +46,62 @@ def _holds_container(x: Any) -> bool:
     return kind is tuple and any(_holds_container(v) for v in x)
 
 
-class Rerunnable:
-    """``bound(fn, kwargs)`` whose reruns see the lists and dicts of its first call as they were when it began.
+def _host_states() -> tuple[Any, Any]:
+    """Python's global generator state, and NumPy's if NumPy is imported (``None`` otherwise)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
 
-    ``torch.utils.checkpoint`` keeps a non-tensor argument as the object itself, and its recompute reads it as it is
-    then: torchvision's DenseNet passes each layer the block's list of features and appends the layer's output to
-    that list after the call, so the recompute read one more tensor (a shape error in backward, or, where shapes
-    matched, silently other values). The first call copies each list and dict (the items themselves, tensors
-    included, are not copied) before the module runs on the caller's own; every rerun gets a fresh copy of those
-    copies at their places, and the tensors ``checkpoint`` passes (version-checked) everywhere else.
+
+@contextlib.contextmanager
+def _host_states_as(states: tuple[Any, Any]) -> Iterator[None]:
+    """Within the block, the global generators are in ``states``; after it, as they were before it."""
+    before = _host_states()
+    python, numpy_state = states
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
+    try:
+        yield
+    finally:
+        random.setstate(before[0])
+        if numpy is not None and before[1] is not None:
+            numpy.random.set_state(before[1])
+
+
+class Rerunnable:
+    """A module's forward with the call's keywords bound; its reruns see the first call's state (module docstring).
+
+    The first call's lists, dicts and host generators, as they were when it began.
     """
 
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self.fn, self.kwargs = fn, kwargs
+        self.containers = _holds_container(kwargs)
         self.first: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.states: tuple[Any, Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
         """The forward's call on the caller's objects, or a rerun on copies of them as they were then."""
         if self.first is None:
-            self.first = _copied((args, self.kwargs))
+            self.containers = self.containers or _holds_container(args)
+            self.first = _copied((args, self.kwargs)) if self.containers else ((), {})
+            self.states = _host_states()
             return self.fn(*args, **self.kwargs)
-        first_args, first_kwargs = self.first
-        args = tuple(_copied(f) if _holds_container(f) else a for a, f in zip(args, first_args, strict=True))
-        return self.fn(*args, **{k: _copied(v) for k, v in first_kwargs.items()})
+        kwargs = self.kwargs
+        if self.containers:
+            first_args, first_kwargs = self.first
+            args = tuple(_copied(f) if _holds_container(f) else a for a, f in zip(args, first_args, strict=True))
+            kwargs = {k: _copied(v) for k, v in first_kwargs.items()}
+        assert self.states is not None
+        with _host_states_as(self.states):
+            return self.fn(*args, **kwargs)
 
 
-def rerunnable(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
-    """What to pass ``torch.utils.checkpoint`` for a call: :class:`Rerunnable` when the call holds a list or dict."""
-    return Rerunnable(fn, kwargs) if _holds_container((args, kwargs)) else bound(fn, kwargs)
+def rerunnable(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Rerunnable:
+    """What to pass ``torch.utils.checkpoint`` for a call of ``fn`` with ``kwargs`` (see :class:`Rerunnable`).
+
+    ``checkpoint`` takes keywords of its own (``use_reentrant``, ``context_fn``, ``preserve_rng_state``...) and would
+    take a module's keyword of the same name as its own; bound here, they reach the module whatever their names.
+    """
+    return Rerunnable(fn, kwargs)

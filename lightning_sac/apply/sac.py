@@ -163,11 +163,11 @@ class SelectiveCheckpointForward(PlannedForward):
         if self.kinds.get(kind):
             state.unobserved = True
             if not self.skipped:
-                return checkpoint(rerunnable(self.inner, args, kwargs), *args, use_reentrant=False)
+                return checkpoint(rerunnable(self.inner, kwargs), *args, use_reentrant=False)
             # The recompute alone runs under a dispatch mode, which sees every op of it: the one that skips.
             order = range(len(self.names))
             return checkpoint(
-                rerunnable(self.inner, args, kwargs),
+                rerunnable(self.inner, kwargs),
                 *args,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), self._skipper(order)),
@@ -205,4 +205,4 @@ class SelectiveCheckpointForward(PlannedForward):
 
             return forward, _Beneath(recompute, skipper)
 
-        return checkpoint(rerunnable(self.inner, args, kwargs), *args, use_reentrant=False, context_fn=contexts)
+        return checkpoint(rerunnable(self.inner, kwargs), *args, use_reentrant=False, context_fn=contexts)

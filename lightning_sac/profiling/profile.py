@@ -7,9 +7,12 @@ cost of applying a plan is then measured here (:mod:`~lightning_sac.profiling.ca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import random
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -189,11 +192,28 @@ def profile_step(
     # A timed step calibrates each module on this host from its recorded inputs: only a whole dry run has them.
     replicable = replicate and estimate != "benchmark" and wrapper is None
     replicable = replicable and not is_sharded(model) and not tensor_parallel_modules(model)
-    run = (replicable and replicated_dry_run(model, whole)) or whole()
-    profile = run.profile
-    # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
-    # recompute alone.
-    if estimate == "benchmark":
-        profile.backend_overhead_us = {k: [v.forward_us, v.rerun_us] for k, v in measure_backend_overheads().items()}
-        calibrate_modules(model, profile.modules, run.input_specs, share=share, autocast_dtype=autocast_dtype)
+    with _host_generators_kept():
+        run = (replicable and replicated_dry_run(model, whole)) or whole()
+        profile = run.profile
+        # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
+        # recompute alone.
+        if estimate == "benchmark":
+            overheads = measure_backend_overheads().items()
+            profile.backend_overhead_us = {k: [v.forward_us, v.rerun_us] for k, v in overheads}
+            calibrate_modules(model, profile.modules, run.input_specs, share=share, autocast_dtype=autocast_dtype)
     return profile
+
+
+@contextlib.contextmanager
+def _host_generators_kept() -> Iterator[None]:
+    """Python's and NumPy's global generators as the block found them.
+
+    A model's forward may draw from them (a mask from ``np.random``), and profiling runs it several times; torch's
+    own generator the dry run never draws from.
+    """
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)

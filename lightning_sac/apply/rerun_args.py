@@ -72,36 +72,46 @@ def _host_states_as(states: tuple[Any, Any]) -> Iterator[None]:
 class Rerunnable:
     """A module's forward with the call's keywords bound; its reruns see the first call's state (module docstring).
 
-    The first call's lists, dicts and host generators, as they were when it began.
+    The first call's lists, dicts and host generators, as they were when it began. :meth:`arguments` gives what to
+    pass ``torch.utils.checkpoint``: the call's arguments with copies in place of its lists and dicts, so that the
+    checkpoint keeps only what they held then (the caller's list, kept, would keep what it appends later alive
+    until backward); the first call swaps the caller's own back in, and lets go of them.
     """
 
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self.fn, self.kwargs = fn, kwargs
-        self.containers = _holds_container(kwargs)
-        self.first: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self.own: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.states: tuple[Any, Any] | None = None
+
+    def arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The positional arguments to pass ``checkpoint`` for a call with ``args``."""
+        if not _holds_container((args, self.kwargs)):
+            return args
+        self.own = (args, self.kwargs)
+        copies, self.kwargs = _copied((args, self.kwargs))
+        return tuple(copies)
 
     def __call__(self, *args: Any) -> Any:
         """The forward's call on the caller's objects, or a rerun on copies of them as they were then."""
-        if self.first is None:
-            self.containers = self.containers or _holds_container(args)
-            self.first = _copied((args, self.kwargs)) if self.containers else ((), {})
+        if self.states is None:
             self.states = _host_states()
+            if self.own is not None:
+                (args, kwargs), self.own = self.own, None
+                return self.fn(*args, **kwargs)
             return self.fn(*args, **self.kwargs)
-        kwargs = self.kwargs
-        if self.containers:
-            first_args, first_kwargs = self.first
-            args = tuple(_copied(f) if _holds_container(f) else a for a, f in zip(args, first_args, strict=True))
-            kwargs = {k: _copied(v) for k, v in first_kwargs.items()}
-        assert self.states is not None
+        # A rerun may change what it is given as the forward did: each gets copies of the copies.
+        args, kwargs = _copied((args, self.kwargs))
         with _host_states_as(self.states):
             return self.fn(*args, **kwargs)
 
 
-def rerunnable(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Rerunnable:
-    """What to pass ``torch.utils.checkpoint`` for a call of ``fn`` with ``kwargs`` (see :class:`Rerunnable`).
+def rerunnable(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Rerunnable, tuple[Any, ...]]:
+    """What to pass ``torch.utils.checkpoint`` for a call of ``fn`` (see :class:`Rerunnable`): it, and the arguments.
 
     ``checkpoint`` takes keywords of its own (``use_reentrant``, ``context_fn``, ``preserve_rng_state``...) and would
     take a module's keyword of the same name as its own; bound here, they reach the module whatever their names.
     """
-    return Rerunnable(fn, kwargs)
+    rerun = Rerunnable(fn, kwargs)
+    return rerun, rerun.arguments(args)

@@ -163,12 +163,14 @@ class SelectiveCheckpointForward(PlannedForward):
         if self.kinds.get(kind):
             state.unobserved = True
             if not self.skipped:
-                return checkpoint(rerunnable(self.inner, kwargs), *args, use_reentrant=False)
+                rerun, given = rerunnable(self.inner, args, kwargs)
+                return checkpoint(rerun, *given, use_reentrant=False)
             # The recompute alone runs under a dispatch mode, which sees every op of it: the one that skips.
             order = range(len(self.names))
+            rerun, given = rerunnable(self.inner, args, kwargs)
             return checkpoint(
-                rerunnable(self.inner, kwargs),
-                *args,
+                rerun,
+                *given,
                 use_reentrant=False,
                 context_fn=lambda: (contextlib.nullcontext(), self._skipper(order)),
             )
@@ -205,4 +207,5 @@ class SelectiveCheckpointForward(PlannedForward):
 
             return forward, _Beneath(recompute, skipper)
 
-        return checkpoint(rerunnable(self.inner, kwargs), *args, use_reentrant=False, context_fn=contexts)
+        rerun, given = rerunnable(self.inner, args, kwargs)
+        return checkpoint(rerun, *given, use_reentrant=False, context_fn=contexts)

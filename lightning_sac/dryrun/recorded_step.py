@@ -86,6 +86,8 @@ class RecordedStep:
         kept_values: Tensors the forward computed from the batch alone (no weights) that the model's code kept
             after the step, in a cache (an LRU-cached position index) or on a module: a later step finds them
             and does not compute them, so it runs fewer ops than this one.
+        ungraded: Indices (in the model's ``parameters()``) of trainable parameters whose gradient the step left
+            ``None`` (an unused cross-attention): an optimizer makes no state for them.
     """
 
     recorder: StepRecorder
@@ -98,6 +100,7 @@ class RecordedStep:
     placeholders: list[dict[str, Any]] = field(default_factory=list)  # where stand-ins were used (placeholders.py)
     routing: list[dict[str, Any]] = field(default_factory=list)  # experts calls and their split (moe_routing.py)
     kept_values: int = 0
+    ungraded: frozenset[int] = frozenset()
 
 
 def optimizer_state(
@@ -154,6 +157,7 @@ def _warm_up(
     forward: ComputeLoss | None,
     optimizers: list[torch.optim.Optimizer],
     on_phase: Callable[[str], None],
+    ungraded: AbstractSet[int] = frozenset(),
 ) -> None:
     """Bring the fake copy to the state a step of a running fit begins in: optimizer state, and gradients.
 
@@ -177,13 +181,18 @@ def _warm_up(
         training_step(model, inputs, forward, optimizers[0], on_phase, zero_grad_before_backward=step.lightning_order)
         return
     # Lightning sets gradients to None just before backward: the previous step's are alive when a step begins.
-    _zero_grad_steps(optimizers, params, keep_grads=step.lightning_order)
+    _zero_grad_steps(optimizers, params, keep_grads=step.lightning_order, ungraded=ungraded)
 
 
-def _zero_grad_steps(optimizers: list[torch.optim.Optimizer], params: list[nn.Parameter], keep_grads: bool) -> None:
-    """Step each optimizer once on zero gradients (its state exists from then on)."""
-    for p in params:
-        if p.requires_grad:
+def _zero_grad_steps(
+    optimizers: list[torch.optim.Optimizer],
+    params: list[nn.Parameter],
+    keep_grads: bool,
+    ungraded: AbstractSet[int] = frozenset(),
+) -> None:
+    """Step each optimizer once on zero gradients (its state exists from then on), but for ``ungraded`` params."""
+    for i, p in enumerate(params):
+        if p.requires_grad and i not in ungraded:
             p.grad = torch.zeros_like(p)
     for optimizer in optimizers:
         optimizer.step()
@@ -199,6 +208,7 @@ def record_step(
     replace_existing: bool = False,
     kv_caches: bool = False,
     warm_forward: bool = False,
+    ungraded: AbstractSet[int] = frozenset(),
 ) -> RecordedStep:
     """Run one training step of a fake copy of ``model`` on (copies of) ``example_inputs`` under the recorder.
 
@@ -211,6 +221,9 @@ def record_step(
             as a plan runs it (:mod:`lightning_sac.adapters.caches`).
         warm_forward: Run the forward once, unrecorded, before the recorded step, so that what the model's code
             caches (:attr:`RecordedStep.kept_values`) is there, as at every step of a fit after its first.
+        ungraded: Indices (in ``model.parameters()``) of parameters the step gives no gradient
+            (:attr:`RecordedStep.ungraded`): the warm-up makes no optimizer state for them, as a fit's optimizer makes
+            none for a parameter whose gradient is ``None``.
     """
     spec = step.device
     run_on = "cuda" if spec.is_cuda and torch.cuda.is_available() else "cpu"
@@ -265,7 +278,7 @@ def record_step(
     ):
         optimizers = _as_list(step.make_optimizer(fmodel) if step.make_optimizer is not None else None)
         real_in("optimizer")
-        _warm_up(fmodel, finputs, step, forward, optimizers, on_phase=real_in)
+        _warm_up(fmodel, finputs, step, forward, optimizers, on_phase=real_in, ungraded=ungraded)
         if warm_forward and forward is not None and not step.manual:
             real_in("forward")
             forward(fmodel, finputs)  # its loss and graph are dropped at once
@@ -292,9 +305,12 @@ def record_step(
             def on_phase(phase: str) -> None:
                 real_in(phase)
                 real_values.keep_made = phase == "forward"
+                if phase == "optimizer" and not without_grad:  # after the (first) backward
+                    without_grad.update(i for i, p in enumerate(params) if p.requires_grad and p.grad is None)
                 recorder.set_phase(phase)
 
             routing.calls.clear()  # the recorded step's calls, not the warm-up's
+            without_grad: set[int] = set()
             with recorder:
                 if step.manual is not None:
                     manual_training_step(fmodel, finputs, step.manual, optimizers, on_phase)
@@ -325,4 +341,5 @@ def record_step(
         placeholders.sites,
         routing=routing.calls,
         kept_values=real_values.kept(),
+        ungraded=frozenset(without_grad),
     )

@@ -61,13 +61,20 @@ def dry_run(
     # Run again when scalar reads got stand-ins, to check they decided nothing (dryrun/values/placeholders.py).
     run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
     warm = run.kept_values > 0
-    if warm:
+    # Trainable parameters the step gives no gradient (a decoder's unused cross-attention, a vision tower's unused
+    # last layer): the warm-up's zero gradients made optimizer state for them, which a fit's optimizer never makes
+    # (AdamW: twice their bytes). Known after a backward only; with accumulation the earlier gradients hide them.
+    plain_loop = run.optimizers and step.manual is None and step.accumulate_grad_batches == 1
+    ungraded = run.ungraded if plain_loop else frozenset()
+    if warm or ungraded:
         # The model's code kept values it computed (an LRU-cached index, a module's lazily built table): every step
         # of a fit after its first finds them, and runs fewer ops than the recorded one did. Planned modules would
         # meet other ops than profiled (their policy falls back, off the plan's memory), so the step is recorded
         # again after an unrecorded forward, as the fit's later steps run. Costs a dry run, only for such models.
         run = record_checked(
-            lambda: record_step(model, example_inputs, step, replace_existing=replace_existing, warm_forward=True)
+            lambda: record_step(
+                model, example_inputs, step, replace_existing=replace_existing, warm_forward=warm, ungraded=ungraded
+            )
         )
     profile = _profile(model, example_inputs, step, run, estimate)
     with_caches = None
@@ -77,7 +84,13 @@ def dry_run(
         # Its stand-ins are checked as the first run's were (a distribution's argument check needs the other answer).
         cached = record_checked(
             lambda: record_step(
-                model, example_inputs, step, replace_existing=replace_existing, kv_caches=True, warm_forward=warm
+                model,
+                example_inputs,
+                step,
+                replace_existing=replace_existing,
+                kv_caches=True,
+                warm_forward=warm,
+                ungraded=ungraded,
             )
         )
         with_caches = functools.partial(_profile, model, example_inputs, step, cached, estimate)

@@ -140,37 +140,10 @@ def test_the_minimum_a_budget_error_names_is_reachable():
     """A Longformer encoder-decoder (LED) on the graph backend: its minimum, just above, got a plan from the first
     fit of the trade-off curves and then a BudgetError from the finer fit tried for a cheaper plan (its least plan
     0.4% higher), so solve_plan refused a budget above the minimum it had named."""
-    from transformers import LEDConfig, LEDForConditionalGeneration
-    from transformers.utils import logging as hf_logging
-    from zoo import lm_batch
+    from zoo import led
 
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = LEDConfig(
-        vocab_size=128,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_encoder_position_embeddings=128,
-        max_decoder_position_embeddings=128,
-        attention_window=32,
-        dropout=0.1,
-        attention_dropout=0.1,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-    )
-    batch = lm_batch(128, seq=96, pad_from=64)
-    g = torch.Generator().manual_seed(1)
-    batch["labels"] = torch.randint(3, 128, (4, 64), generator=g)
-    batch["global_attention_mask"] = torch.zeros_like(batch["attention_mask"])
-    batch["global_attention_mask"][:, 0] = 1
-    model = LEDForConditionalGeneration(config).train()
+    family = led()
+    model, batch = family.model, family.batch
     profile = profile_model(model, batch, optimizer_factory=torch.optim.AdamW, device="cpu")
     with pytest.raises(BudgetError) as info:
         solve_plan(profile, 1e-9, backend="graph")

@@ -53,6 +53,13 @@ def lm_batch(vocab: int, batch: int = 4, seq: int = 128, pad_from: int = 96) -> 
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def seq2seq_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """An encoder batch of 4 x 96 (:func:`lm_batch`, a row padded from 64) and decoder labels of 4 x 64."""
+    batch = lm_batch(vocab, seq=96, pad_from=64)
+    batch["labels"] = torch.randint(3, vocab, (4, 64), generator=torch.Generator().manual_seed(1))
+    return batch
+
+
 def gpt2() -> Family:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -139,9 +146,7 @@ def t5() -> Family:
         pad_token_id=0,
         eos_token_id=1,
     )
-    batch = lm_batch(128, seq=96, pad_from=64)
-    g = torch.Generator().manual_seed(1)
-    batch["labels"] = torch.randint(3, 128, (4, 64), generator=g)
+    batch = seq2seq_batch(128)
     batch["labels"][2, 48:] = -100
     return Family("t5", T5ForConditionalGeneration(config).train(), batch)
 
@@ -426,3 +431,34 @@ def beit() -> Family:
     g = torch.Generator().manual_seed(1)
     pixels, labels = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 10, (4,), generator=g)
     return Family("beit", BeitForImageClassification(config).train(), {"pixel_values": pixels, "labels": labels})
+
+
+def led() -> Family:
+    """A Longformer encoder-decoder: sliding-window attention with global attention on each row's first token."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    _quiet_transformers()
+    torch.manual_seed(0)
+    config = LEDConfig(
+        vocab_size=128,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_encoder_position_embeddings=128,
+        max_decoder_position_embeddings=128,
+        attention_window=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
+    batch = seq2seq_batch(128)
+    batch["global_attention_mask"] = torch.zeros_like(batch["attention_mask"])
+    batch["global_attention_mask"][:, 0] = 1
+    return Family("led", LEDForConditionalGeneration(config).train(), batch)

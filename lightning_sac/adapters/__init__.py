@@ -15,12 +15,16 @@ from lightning_sac.adapters.compiled import (
     traced_module,
     uncompiled,
 )
+from lightning_sac.adapters.host_random import HostGenerators, host_generator_states, host_generators
 
 __all__ = [
     "CacheCall",
     "CacheSwitch",
+    "HostGenerators",
     "compile_backends",
     "compiled_parts",
+    "host_generator_states",
+    "host_generators",
     "is_kv_cache",
     "layer_indices",
     "profiles_uncompiled",

@@ -20,11 +20,10 @@ The graph backend replays recorded ops, not Python, and needs neither.
 
 from __future__ import annotations
 
-import contextlib
-import random
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+from lightning_sac.adapters import HostGenerators, host_generator_states, host_generators
 
 __all__ = ["Rerunnable", "rerunnable"]
 
@@ -46,29 +45,6 @@ def _holds_container(x: Any) -> bool:
     return kind is tuple and any(_holds_container(v) for v in x)
 
 
-def _host_states() -> tuple[Any, Any]:
-    """Python's global generator state, and NumPy's if NumPy is imported (``None`` otherwise)."""
-    numpy = sys.modules.get("numpy")
-    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
-
-
-@contextlib.contextmanager
-def _host_states_as(states: tuple[Any, Any]) -> Iterator[None]:
-    """Within the block, the global generators are in ``states``; after it, as they were before it."""
-    before = _host_states()
-    python, numpy_state = states
-    random.setstate(python)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and numpy_state is not None:
-        numpy.random.set_state(numpy_state)
-    try:
-        yield
-    finally:
-        random.setstate(before[0])
-        if numpy is not None and before[1] is not None:
-            numpy.random.set_state(before[1])
-
-
 class Rerunnable:
     """A module's forward with the call's keywords bound; its reruns see the first call's state (module docstring).
 
@@ -81,7 +57,7 @@ class Rerunnable:
     def __init__(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
         self.fn, self.kwargs = fn, kwargs
         self.own: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self.states: tuple[Any, Any] | None = None
+        self.states: HostGenerators | None = None
 
     def arguments(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The positional arguments to pass ``checkpoint`` for a call with ``args``."""
@@ -94,14 +70,14 @@ class Rerunnable:
     def __call__(self, *args: Any) -> Any:
         """The forward's call on the caller's objects, or a rerun on copies of them as they were then."""
         if self.states is None:
-            self.states = _host_states()
+            self.states = host_generator_states()
             if self.own is not None:
                 (args, kwargs), self.own = self.own, None
                 return self.fn(*args, **kwargs)
             return self.fn(*args, **self.kwargs)
         # A rerun may change what it is given as the forward did: each gets copies of the copies.
         args, kwargs = _copied((args, self.kwargs))
-        with _host_states_as(self.states):
+        with host_generators(self.states):
             return self.fn(*args, **kwargs)
 
 

@@ -7,16 +7,13 @@ cost of applying a plan is then measured here (:mod:`~lightning_sac.profiling.ca
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from lightning_sac.adapters import profiles_uncompiled
+from lightning_sac.adapters import host_generators, profiles_uncompiled
 from lightning_sac.devices import DeviceSpec, get_device_spec
 from lightning_sac.dryrun import (
     ComputeLoss,
@@ -192,7 +189,8 @@ def profile_step(
     # A timed step calibrates each module on this host from its recorded inputs: only a whole dry run has them.
     replicable = replicate and estimate != "benchmark" and wrapper is None
     replicable = replicable and not is_sharded(model) and not tensor_parallel_modules(model)
-    with _host_generators_kept():
+    # A forward may draw from Python's or NumPy's global generator: the dry runs leave the user's streams as they were.
+    with host_generators():
         run = (replicable and replicated_dry_run(model, whole)) or whole()
         profile = run.profile
         # What wrapping costs is timed on this host, so only when the step is timed on it too; a GPU plan counts
@@ -202,18 +200,3 @@ def profile_step(
             profile.backend_overhead_us = {k: [v.forward_us, v.rerun_us] for k, v in overheads}
             calibrate_modules(model, profile.modules, run.input_specs, share=share, autocast_dtype=autocast_dtype)
     return profile
-
-
-@contextlib.contextmanager
-def _host_generators_kept() -> Iterator[None]:
-    """Python's and NumPy's global generators as the block found them.
-
-    A model's forward may draw from them (a mask from ``np.random``), and profiling runs it several times; torch's
-    own generator the dry run never draws from.
-    """
-    python, numpy = random.getstate(), np.random.get_state()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)

@@ -13,6 +13,7 @@ optimizer state are divided by the world size when sharded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -116,9 +117,7 @@ def checkpoint_state_bytes(profile: ModelProfile, fqn: str | None = None, backen
     their budget on a tiny model before it was counted). Memory of the target itself when the target is this CPU,
     host memory (not counted) for a GPU, whose own generator state is stashed on the host too.
     """
-    if profile.device.is_cuda:
-        return 0
-    state = profile.device.round_bytes(torch.get_rng_state().nbytes)
+    state = _generator_state_bytes(profile)
     if backend == "sac" or fqn is None:
         return state
     stats = profile.modules[fqn].op_stats
@@ -132,11 +131,18 @@ def recompute_state_bytes(profile: ModelProfile, fqn: str, backend: str = "sac")
     state for the rerun's length whether or not the region draws (5 KiB, measured above a SAC plan's prediction at
     its minimum); the graph backend forks it around each random op it reruns. Host memory for a GPU target.
     """
-    if profile.device.is_cuda:
-        return 0
-    state = profile.device.round_bytes(torch.get_rng_state().nbytes)
     stats = profile.modules[fqn].op_stats
-    return state if backend == "sac" or (stats is not None and stats.rand_ops) else 0
+    return _generator_state_bytes(profile) if backend == "sac" or (stats is not None and stats.rand_ops) else 0
+
+
+@functools.cache
+def _cpu_generator_state_nbytes() -> int:
+    return torch.get_rng_state().nbytes  # the same for the whole process; made anew at every call
+
+
+def _generator_state_bytes(profile: ModelProfile) -> int:
+    """The CPU generator's state on the target's device: none for a GPU, whose host keeps it."""
+    return 0 if profile.device.is_cuda else profile.device.round_bytes(_cpu_generator_state_nbytes())
 
 
 def _first_events(profile: ModelProfile, kind: str) -> dict[str, int]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_sac.adapters import host_generators
 from lightning_sac.dryrun import ModuleOpStats
 from lightning_sac.solver.recompute import output_op, recompute_costs
 
@@ -218,13 +219,9 @@ def _fit_lines(x: np.ndarray, y: np.ndarray, n_segments: int) -> tuple[list[floa
         return list(map(float, slopes)), list(map(float, intercepts)), breaks
     import pwlf  # imports scipy: only a fit with too many breaks to try them all needs it
 
-    # pwlf seeds numpy's global generator; keep the user's stream as it was.
-    state = np.random.get_state()
-    try:
+    with host_generators():  # pwlf seeds numpy's global generator; keep the user's stream as it was
         model = pwlf.PiecewiseLinFit(x, y, seed=0)
         model.fitfast(n_segments, pop=4)
-    finally:
-        np.random.set_state(state)
     return list(map(float, model.slopes)), list(map(float, model.intercepts)), list(map(float, model.fit_breaks))
 
 

@@ -280,17 +280,17 @@ class _Graph:
             self.mode = None
             self.refs = Refs()
             self.versions = Versions()
-            # A saved output no packed tensor nor recompute reads (a rotary embedding's pieces before their saved
-            # cat) is never unpacked: let it go now, not when backward drops the graph (held through a DeepSeek-V3
-            # attention's backward, 0.24 MiB above the plan's prediction). One that cannot be recomputed stays.
             for entries in self.saved_on.values():
                 for node, index in entries:
-                    if node.saved is not None and node.recomputable and not node.held and node.uses[index] == 0:
+                    if node.saved is None:
+                        continue
+                    # A saved output no packed tensor nor recompute reads (a rotary embedding's pieces before their
+                    # saved cat) is never unpacked: let it go now, not when backward drops the graph (a DeepSeek-V3
+                    # attention's backward held them, 0.24 MiB over the plan), unless it cannot be recomputed.
+                    if node.recomputable and not node.held and node.uses[index] == 0:
                         node.saved[index] = None
-            # From here on, version counters tell whether code after the region mutates a saved output.
-            for entries in self.saved_on.values():
-                for node, _ in entries:
-                    if node.saved is not None and not node.versions:
+                    # From here on, version counters tell whether code after the region mutates a saved output.
+                    if not node.versions:
                         node.versions = [-1 if t is None else t._version for t in node.saved]
             self.saved_on.clear()
 

@@ -114,7 +114,6 @@ def same_type_conversions(model: nn.Module) -> Iterator[None]:
     is refused with a ProfilingError naming the module (its name in ``model``, the dry run's fake copy).
     """
     original = nn.Module._apply
-    names = {id(m): fqn for fqn, m in model.named_modules()}
 
     def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         modules = self.modules() if recurse else iter([self])
@@ -127,7 +126,7 @@ def same_type_conversions(model: nn.Module) -> Iterator[None]:
         try:
             return original(self, fn, recurse)
         except RuntimeError as err:
-            where = names.get(id(self))
+            where = next((fqn for fqn, m in model.named_modules() if m is self), None)  # only for the message
             raise ProfilingError(
                 f"Module {where or '<root>'!r} ({type(self).__name__}) converts its parameters or buffers during the "
                 "step (Module.to, .float(), "

@@ -4,8 +4,8 @@ oneDNN's LSTM layer (``aten.mkldnn_rnn_layer``, what ``nn.LSTM`` runs on CPU in 
 workspace as a fourth output, which backward reads; the fake kernel returns it empty. Its backward
 (``mkldnn_rnn_layer_backward``) allocates and frees scratch buffers of several times its input's size. Both
 depend on oneDNN's internal layouts, not on a formula of the shapes that holds across versions, so they are taken
-from the kernels: once per layer shape, the real forward and backward run on synthetic inputs of the profiled
-shapes under torch.profiler, whose allocator events give the workspace's size and each call's peak beyond its
+from the kernels: once per layer shape (and, for the backward, its gradients' layouts), the real forward and
+backward run on synthetic inputs of the profiled shapes under torch.profiler, whose allocator events give the workspace's size and each call's peak beyond its
 outputs. Only for the CPU target; the random stream and the model are not touched.
 
 Some losses' reduced output keeps the storage of their elementwise loss (:func:`reduced_loss_bytes`).
@@ -79,7 +79,28 @@ def _peak_beyond(run: Any) -> tuple[Any, int]:
     return out, max(0, peak_from_events(events, 0).peak_bytes - kept)
 
 
-def _probe(named: dict[str, Any]) -> RnnLayerMemory:
+_GRADS = ("grad_output", "grad_hy", "grad_cy")
+
+
+def _grad_layouts(named: dict[str, Any]) -> tuple[Any, ...]:
+    """Each output gradient of a backward call as its layout, ``None`` where autograd passes none.
+
+    The kernel copies a gradient that is not contiguous (a ``batch_first`` layer's output gradient arrives
+    transposed) and makes zeros for one that is missing (a loss of the output alone gives none for ``hy``/``cy``):
+    the scratch follows both, so they key the measurement.
+    """
+    return tuple(
+        None if (g := named[n]) is None else (tuple(g.shape), tuple(g.stride()), int(g.storage_offset()), g.dtype)
+        for n in _GRADS
+    )
+
+
+def _probe(named: dict[str, Any], grads: tuple[Any, ...] | None = None) -> RnnLayerMemory:
+    """Run the layer's forward and backward for real, each under the allocator's events.
+
+    ``grads`` are the backward's gradient layouts (:func:`_grad_layouts`); by default contiguous gradients of
+    every output.
+    """
     from lightning_sac.dryrun.runtime import real_tensor  # runtime imports the recorder's users
 
     def real(x: Any) -> Any:
@@ -96,8 +117,8 @@ def _probe(named: dict[str, Any]) -> RnnLayerMemory:
         backward = {n: forward[n] for n in (*_SHARED, "input", "hx_", "batch_sizes")}
         backward.update({f"weight{i + 1}": forward[f"weight{i}"] for i in range(4)})
         backward.update(cx_tmp=forward["cx_"], output=out[0], hy_=out[1], cy_=out[2], workspace=workspace)
-        backward.update(grad_output=torch.ones_like(out[0]), grad_hy=torch.ones_like(out[1]))
-        backward.update(grad_cy=torch.ones_like(out[2]))
+        layouts = grads or tuple((tuple(o.shape), tuple(o.stride()), 0, o.dtype) for o in out[:3])
+        backward.update({n: None if g is None else real_tensor(*g) for n, g in zip(_GRADS, layouts, strict=True)})
         _, backward_scratch = _peak_beyond(lambda: _BACKWARD(**backward))
     return RnnLayerMemory(workspace.untyped_storage().nbytes(), forward_scratch, backward_scratch)
 
@@ -105,8 +126,10 @@ def _probe(named: dict[str, Any]) -> RnnLayerMemory:
 def rnn_layer_memory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RnnLayerMemory | None:
     """What a oneDNN LSTM layer's forward (with gradients on) or backward call allocates unseen, or ``None``.
 
-    The backward of a layer is identified with the forward that made its workspace by shapes and flags; a
-    backward whose forward was never probed is probed from its own arguments' shapes.
+    A backward call is measured with its own gradients' layouts (:func:`_grad_layouts`): a layer whose output
+    gradient arrived transposed and without gradients of its final states held a copy of the output gradient and
+    two zero states more than a probe with contiguous gradients of every output (a lone ``nn.LSTM``'s step was
+    predicted 3% under).
     """
     if func is _FORWARD and torch.is_grad_enabled():
         named = _named(func, args, kwargs)
@@ -116,11 +139,12 @@ def rnn_layer_memory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return _PROBED[key]
     if func is _BACKWARD:
         named = _named(func, args, kwargs)
-        key = _key(named, ("weight1", "weight2", "weight3", "weight4"))
+        grads = _grad_layouts(named)
+        key = (_key(named, ("weight1", "weight2", "weight3", "weight4")), grads)
         if key not in _PROBED:
             forward = {n: named[n] for n in (*_SHARED, "input", "hx_", "batch_sizes")}
             forward.update({f"weight{i}": named[f"weight{i + 1}"] for i in range(4)}, cx_=named["cx_tmp"])
-            _PROBED[key] = _probe(forward)
+            _PROBED[key] = _probe(forward, grads)
         return _PROBED[key]
     return None
 

@@ -5,8 +5,9 @@ workspace as a fourth output, which backward reads; the fake kernel returns it e
 (``mkldnn_rnn_layer_backward``) allocates and frees scratch buffers of several times its input's size. Both
 depend on oneDNN's internal layouts, not on a formula of the shapes that holds across versions, so they are taken
 from the kernels: once per layer shape (and, for the backward, its gradients' layouts), the real forward and
-backward run on synthetic inputs of the profiled shapes under torch.profiler, whose allocator events give the workspace's size and each call's peak beyond its
-outputs. Only for the CPU target; the random stream and the model are not touched.
+backward run on synthetic inputs of the profiled shapes under torch.profiler, whose allocator events give the
+workspace's size and each call's peak beyond its outputs. Only for the CPU target; the random stream and the model
+are not touched.
 
 Some losses' reduced output keeps the storage of their elementwise loss (:func:`reduced_loss_bytes`).
 """

@@ -152,7 +152,7 @@ def test_resume_restores_the_plan_without_profiling(tmp_path, monkeypatch):
 
 def test_a_budget_too_small_stops_before_the_first_step(tmp_path):
     m = module()
-    with pytest.raises(BudgetError, match=r"minimum achievable peak of \d+\.\d+ GiB \(the unconstrained peak is"):
+    with pytest.raises(BudgetError, match=r"minimum achievable peak of \d+\.\d+ [GM]iB \(the unconstrained peak is"):
         trainer([AutoSAC(budget_gb=0.001)], tmp_path).fit(m)
     assert m.losses == []
     assert all("forward" not in sub.__dict__ for sub in m.modules())

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import gpt_profile as shared_gpt_profile
 
-from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, solve_plan
+from lightning_sac import BudgetError, ModelProfile, ModuleOpStats, ModuleProfile, Plan, profile_model, solve_plan
 from lightning_sac.devices import get_device_spec
 from lightning_sac.dryrun.data import TimelineEvent, empty_snapshot
 from lightning_sac.plan.reserve import DeviceReserve, device_reserve
@@ -291,3 +292,24 @@ def test_refining_keeps_the_better_of_two_fits_and_its_own_figures_fit_the_budge
     assert plan.decisions == best.decisions and plan.predicted_step_ms == best.predicted_step_ms
     assert plan.predicted_step_ms <= coarse.predicted_step_ms
     assert plan.predicted_peak_bytes == recheck_peak(gpt_profile, plan) <= plan.budget_bytes
+
+
+def test_a_small_models_budget_error_prints_figures_that_differ():
+    # A budget of 0.0018 GiB below a minimum of 0.0019 read "a budget of 0.002 GiB is below the minimum achievable
+    # peak of 0.002 GiB": below a tenth of a GiB the figures are MiB, the budget also as given.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    profile = profile_model(model, (torch.randn(32, 64),), device="cpu")
+    with pytest.raises(BudgetError) as below:
+        solve_plan(profile, 1e-6)
+    budget_gb = below.value.minimum_bytes * 0.98 / GIB
+    with pytest.raises(BudgetError) as info:
+        solve_plan(profile, budget_gb)
+    message = str(info.value)
+    pattern = r"A budget of (\d+\.\d+) MiB \(budget_gb=([\d.e-]+)\) per device .* peak of (\d+\.\d+) MiB"
+    figures = re.search(pattern, message)
+    assert figures is not None, message
+    assert float(figures[1]) == pytest.approx(budget_gb * 1024, abs=5e-4)
+    assert float(figures[2]) == pytest.approx(budget_gb, rel=1e-5)
+    assert float(figures[3]) == pytest.approx(info.value.minimum_bytes / MIB, abs=5e-4)
+    assert figures[1] != figures[3]

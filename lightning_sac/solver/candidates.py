@@ -252,6 +252,17 @@ def more_candidates_hint(profile: ModelProfile) -> str:
     return text + " To let lightning-sac choose instead, remove the model's own torch.utils.checkpoint calls."
 
 
+_SMALL = 2**30 // 10  # below a tenth of a GiB, a budget error's figures are in MiB: three decimals of GiB hide them
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` for a budget error: GiB with three decimals, MiB below :data:`_SMALL`.
+
+    A budget of 0.0018 GiB below a minimum of 0.0019 printed both as "0.002 GiB".
+    """
+    return f"{nbytes / 2**30:.3f} GiB" if nbytes >= _SMALL else f"{nbytes / 2**20:.3f} MiB"
+
+
 def budget_error(
     profile: ModelProfile,
     budget_gb: float,
@@ -265,14 +276,13 @@ def budget_error(
     """The error for a budget below the least-memory plan: its tensors, and its own reserve with its fragmentation."""
     reserve = device_reserve(profile, world_size, fragmentation_bytes=fragmentation)
     plain_reserve = device_reserve(profile, world_size, fragmentation_bytes=plain_fragmentation)
-    kept = (
-        f" (the tensors' {peak / 2**30:.3f} GiB plus {reserve.total / 2**30:.3f} GiB the device holds "
-        f"besides: {reserve.describe()})"
-    )
+    kept = f" (the tensors' {_size(peak)} plus {_size(reserve.total)} the device holds besides: {reserve.describe()})"
+    # A budget in the unit its figures are printed in, and as given when that is MiB (``budget_gb=0.001``).
+    budget = _size(budget_gb * 2**30) + (f" (budget_gb={budget_gb:g})" if budget_gb * 2**30 < _SMALL else "")
     return BudgetError(
-        f"A budget of {budget_gb:.3f} GiB per device is below the minimum achievable peak of "
-        f"{(peak + reserve.total) / 2**30:.3f} GiB{kept if reserve.total else ''} (the unconstrained "
-        f"peak is {(plain + plain_reserve.total) / 2**30:.3f} GiB on {profile.device.name}, world size "
+        f"A budget of {budget} per device is below the minimum achievable peak of "
+        f"{_size(peak + reserve.total)}{kept if reserve.total else ''} (the unconstrained "
+        f"peak is {_size(plain + plain_reserve.total)} on {profile.device.name}, world size "
         f"{world_size}, {sharding}). Raise the budget, use a smaller "
         "batch or shorter sequences, "
         + (

@@ -73,18 +73,25 @@ def direct_memory_constraints(
     # A CPU checkpoint keeps the generator state it stashed from its forward's start to its backward's end.
     state = checkpoint_state_bytes(profile)
     starts = {e.name: k for k, e in reversed(list(enumerate(profile.timeline))) if e.kind == "fwd_pre"}
-    holding = {j: _held(profile.modules[j]) + ([[starts[j], state]] if state else []) for j in windows}
+    # Each storage a checkpoint keeps, by the event that frees it (the generator state: each checkpoint's own).
+    storages: dict[Any, tuple[int, int, set[str]]] = {}
+    for j in windows:
+        for d, n in _held(profile.modules[j]):
+            storages.setdefault(("", d), (d, n, set()))[2].add(j)
+        if state:
+            storages[(j, -1)] = (starts[j], state, {j})
     gathers = {j for j in windows if fsdp is not None and fsdp.units_inside(j)}
 
     def add(base: int, absent: frozenset[str], recompute: str | None, at: int) -> None:
-        kept = tuple(
-            (j, b)
-            for j in sorted(holding)
-            if (
-                b := (sum(n for d, n in holding[j] if d <= at) if at < ends.get(j, len(profile.timeline)) else 0)
-                + (fsdp.recompute_gathers(j, at) if fsdp is not None and j in gathers else 0)
-            )
-        )
+        by_holders: dict[tuple[str, ...], int] = {}
+        for d, n, holders in storages.values():
+            active = tuple(sorted(j for j in holders if at < ends.get(j, len(profile.timeline))))
+            if d <= at and active:  # kept once, under the holders whose backward is not over
+                by_holders[active] = by_holders.get(active, 0) + n
+        for j in sorted(gathers):
+            if b := fsdp.recompute_gathers(j, at):  # type: ignore[union-attr]
+                by_holders[(j,)] = by_holders.get((j,), 0) + b
+        kept = tuple(sorted(by_holders.items()))
         key = (absent, recompute, kept)
         worst[key] = max(worst.get(key, base), base)
         first.setdefault(key, at)
@@ -213,13 +220,22 @@ def test_related_pairs_are_every_nested_pair_in_order(profile: ModelProfile) -> 
 def direct_rows(h: highspy.Highs, cands: Any, constraints: Any, y: Any, r: Any, limit: Any, bound: bool) -> None:
     """The memory rows as operator expressions, as lightning_sac.solver first built them."""
     by_fqn = {c.fqn: c for c in cands}
+    groups = {tuple(j for j in holders if j in by_fqn) for con in constraints for holders, _ in con.kept}
+    shared = {holders: h.addVariable(lb=0.0, ub=1.0) for holders in sorted(g for g in groups if len(g) > 1)}
+    for holders, z in shared.items():
+        for j in holders:
+            h.addConstr(z >= y[j])
     for con in constraints:
         terms = []
         for j in con.absent:
             if j in by_fqn:
                 acm = by_fqn[j].tradeoff.total_memory
                 terms.append(clean(acm / MIB) * r[j] - clean((acm - by_fqn[j].retained) / MIB) * y[j])
-        extras = [b / MIB * y[j] for j, b in con.kept if j in by_fqn]
+        extras = []
+        for holders, b in con.kept:
+            among = tuple(j for j in holders if j in by_fqn)
+            if among:  # a storage several candidates keep: once, when any of them is checkpointed
+                extras.append(b / MIB * (y[among[0]] if len(among) == 1 else shared[among]))
         if con.recompute in by_fqn:
             c, j = by_fqn[con.recompute], con.recompute
             if bound:
@@ -244,7 +260,7 @@ def row_expressions(h: highspy.Highs, n_vars: int) -> list[tuple[dict[int, float
     def substituted(entries: list[tuple[int, float]]) -> dict[int, float]:
         expr: dict[int, float] = {}
         for col, v in entries:
-            for c, w in running[col].items() if col >= n_vars else [(col, 1.0)]:
+            for c, w in running[col].items() if col in running else [(col, 1.0)]:
                 expr[c] = expr.get(c, 0.0) + v * w
         return expr
 

@@ -46,11 +46,12 @@ def predicted_step_memory(profile: ModelProfile, plan: Plan, *, applied: bool = 
     out = []
     for k, e in enumerate(profile.timeline[:-1]):
         value = on_device(k, e.peak_after or e.at)
+        kept: dict[int, int] = {}  # the inputs checkpoints keep that the plain step has freed by now, by their free
         for f, b in freed.items():
             if f in windows and windows[f][0] <= k < windows[f][1]:
-                # What the checkpoint frees, less the inputs it keeps that the plain step has freed by now.
-                value -= b - sum(n for at, n in profile.modules[f].freed_inputs if at <= k)
-        out.append(value)
+                value -= b  # what the checkpoint frees
+                kept.update((at, n) for at, n in profile.modules[f].freed_inputs if at <= k)
+        out.append(value + sum(kept.values()))  # an input several checkpoints keep (a mask), once
     return out
 
 

@@ -5,8 +5,7 @@ checkpointed module ``j`` frees ``d_j`` bytes of activations from the end of its
 begins, when recompute brings them back; during that recompute its forward's temporaries come back too. A
 checkpoint also keeps its inputs until its backward is over: an input the plain step frees in the meantime
 (nothing saved it) stays alive from the interval it would have been freed in (:attr:`ModuleProfile.freed_inputs`).
-So
-every timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations
+So every timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations
 are absent throughout it free, plus the inputs they keep, is within the budget. Parameters, gradients and
 optimizer state are divided by the world size when sharded.
 """
@@ -24,6 +23,8 @@ from lightning_sac.solver.sharded_memory import ShardedStep
 
 #: Bytes on one device at timeline index ``k`` given the unsharded snapshot there (see :func:`device_model`).
 OnDevice = Callable[..., int]
+#: ``(holders, bytes)`` kept at one moment: see :attr:`MemoryConstraint.kept`.
+Kept = tuple[tuple[tuple[str, ...], int], ...]
 
 __all__ = [
     "MemoryConstraint",
@@ -193,8 +194,9 @@ class MemoryConstraint:
         base: Bytes on one device without any checkpointing.
         absent: Candidates whose checkpointed activations are gone throughout this interval.
         recompute: The candidate whose recompute runs at this moment (its forward temporaries are back), if any.
-        kept: ``(candidate, bytes)``: inputs the plain step has freed by this moment that the candidate's
-            checkpoint keeps alive, counted when it is checkpointed.
+        kept: ``(holders, bytes)``: inputs the plain step has freed by this moment that a checkpoint of any of the
+            holders keeps alive, counted once when any of them is checkpointed (one storage, a mask every layer
+            takes, can be an input of many).
         at: The first timeline index with these candidates absent, this recompute and these kept bytes: the
             MILP's rows follow the step's order (:func:`lightning_sac.solver.rows.memory_rows`).
     """
@@ -202,7 +204,7 @@ class MemoryConstraint:
     base: int
     absent: frozenset[str]
     recompute: str | None = None
-    kept: tuple[tuple[str, int], ...] = ()
+    kept: Kept = ()
     at: int = 0
 
 
@@ -224,8 +226,8 @@ def memory_constraints(
         sharding: ``"replicated"`` or ``"sharded"``.
         backend: What a checkpoint keeps besides activations depends on it (:func:`checkpoint_state_bytes`).
     """
-    worst: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
-    first: dict[tuple[frozenset[str], str | None, tuple[tuple[str, int], ...]], int] = {}
+    worst: dict[tuple[frozenset[str], str | None, Kept], int] = {}
+    first: dict[tuple[frozenset[str], str | None, Kept], int] = {}
     # Under FSDP with the model's units known, a rank holds what the sharded model says (lightning_sac.sharding).
     fsdp = ShardedStep(profile, profile.sharded) if sharding == "sharded" and profile.sharded is not None else None
     on_device = fsdp.bytes_at if fsdp is not None else device_model(profile, world_size, sharding)
@@ -274,45 +276,59 @@ def _absent_sets(windows: Mapping[str, tuple[int, int]], length: int) -> list[fr
 
 def _kept_bytes(
     profile: ModelProfile, windows: Mapping[str, tuple[int, int]], fsdp: ShardedStep | None, backend: str
-) -> list[tuple[tuple[str, int], ...]]:
-    """Per timeline index ``at``, ``(candidate, bytes)`` its checkpoint keeps alive there that the plain step does not.
+) -> list[Kept]:
+    """Per timeline index, ``(holders, bytes)`` a checkpoint of any of ``holders`` keeps that the plain step does not.
 
-    A checkpoint holds its inputs until its backward ends; those the plain step freed by ``at`` are extra. Under
-    FSDP, a checkpoint of a module that contains units keeps them gathered after its recompute. Candidates in
-    sorted order, those keeping nothing left out; consecutive indices where nothing changes share one tuple.
+    A checkpoint holds its inputs until its backward is over; those the plain step freed by then are extra. A
+    storage that is an input of several candidates (the mask every attention takes; a DenseNet block's features)
+    is kept once while any checkpointed holder's backward is not over (counted per holder, a LoRA Llama's graph
+    plan at its minimum was predicted 11.6% over): a free is one event, which names the storage. Under FSDP, a
+    checkpoint of a module that contains units keeps them gathered after its recompute. Consecutive indices where
+    nothing changes share one tuple.
     """
     length = len(profile.timeline)
     ends = backward_ends(profile)
-    # A checkpoint also keeps the generator states it stashed, from its forward's start on.
+    # A checkpoint also keeps the generator states it stashed, from its forward's start on: its own storage.
     states = {j: checkpoint_state_bytes(profile, j, backend) for j in windows}
     starts = _forward_starts(profile)
-    held_inputs = {j: _held(profile.modules[j]) + ([[starts[j], states[j]]] if states[j] else []) for j in windows}
+    storages: dict[tuple[str, int], tuple[int, int, list[str]]] = {}  # key -> (freed at, bytes, holders)
+    for j in windows:
+        for d, n in _held(profile.modules[j]):
+            storages.setdefault(("", d), (d, n, []))[2].append(j)
+        if states[j]:
+            storages[(j, -1)] = (starts[j], states[j], [j])
     # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
     gathers = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
-    changes: dict[int, list[tuple[str, int]]] = {}  # index -> (candidate, bytes its held inputs grow by there)
-    for j, entries in held_inputs.items():
-        for d, n in entries:
-            changes.setdefault(max(d, 0), []).append((j, n))
-        if entries and j in ends:
-            changes.setdefault(ends[j], []).append((j, 0))  # its backward is over: nothing kept from here on
-    for j, series in gathers.items():
-        for at in range(length):
-            if series[at] != (series[at - 1] if at else 0):
-                changes.setdefault(at, []).append((j, 0))
-    held: dict[str, int] = {}  # per candidate, the bytes of its held inputs freed by now
-    holders = sorted(j for j in windows if held_inputs[j] or j in gathers)
-    shared: tuple[tuple[str, int], ...] = ()
+    begins: dict[int, list[tuple[str, int]]] = {}
+    over: dict[int, set[str]] = {}  # index -> holders whose backward is over there
+    for key, (d, _, holders) in storages.items():
+        begins.setdefault(max(d, 0), []).append(key)
+        for j in (j for j in holders if j in ends):
+            over.setdefault(ends[j], set()).add(j)
+    changes = set(begins) | set(over) | {k for s in gathers.values() for k in range(length) if s[k] != (k and s[k - 1])}
+    active: dict[tuple[str, int], tuple[str, ...]] = {}  # storage -> its holders whose backward is not over
+    by_holders: dict[tuple[str, ...], int] = {}
+
+    def move(key: tuple[str, int], holders: tuple[str, ...]) -> None:
+        if key in active:
+            by_holders[active.pop(key)] -= storages[key][1]
+        if holders:
+            active[key] = holders
+            by_holders[holders] = by_holders.get(holders, 0) + storages[key][1]
+
+    shared: Kept = ()
     out = []
     for at in range(length):
         if at in changes:
-            for j, n in changes[at]:
-                held[j] = held.get(j, 0) + n
-            kept = []
-            for j in holders:
-                b = (held.get(j, 0) if at < ends.get(j, length) else 0) + (gathers[j][at] if j in gathers else 0)
-                if b:
-                    kept.append((j, b))
-            shared = tuple(kept)
+            for key in begins.get(at, ()):
+                move(key, tuple(sorted({j for j in storages[key][2] if at < ends.get(j, length)})))
+            for j in sorted(over.get(at, ())):
+                for key in [k for k, holders in active.items() if j in holders]:
+                    move(key, tuple(h for h in active[key] if h != j))
+            kept = {h: n for h, n in by_holders.items() if n}
+            for j in (j for j, series in gathers.items() if series[at]):
+                kept[(j,)] = kept.get((j,), 0) + gathers[j][at]
+            shared = tuple(sorted(kept.items()))
         out.append(shared)
     return out
 
@@ -326,7 +342,8 @@ def peak_with_plan(constraints: list[MemoryConstraint], freed: Mapping[str, int]
     """The step's peak on one device when the modules in ``freed`` are checkpointed, each freeing its bytes."""
     peak = 0
     for c in constraints:
-        value = c.base - sum(freed[j] for j in c.absent if j in freed) + sum(b for j, b in c.kept if j in freed)
+        value = c.base - sum(freed[j] for j in c.absent if j in freed)
+        value += sum(b for holders, b in c.kept if any(j in freed for j in holders))
         if c.recompute is not None and c.recompute in freed:
             value += transient.get(c.recompute, 0)
         peak = max(peak, value)

@@ -15,7 +15,7 @@ import highspy
 import numpy as np
 
 from lightning_sac.solver.candidates import Candidate
-from lightning_sac.solver.memory_model import MemoryConstraint
+from lightning_sac.solver.memory_model import Kept, MemoryConstraint
 
 __all__ = ["MIB", "Milp", "add_candidates", "clean", "memory_rows", "related_pairs"]
 
@@ -118,20 +118,38 @@ def memory_rows(
         acm = c.tradeoff.total_memory
         negated_freed[c.fqn] = ((r[c.fqn].index, -clean(acm / MIB)), (y[c.fqn].index, clean((acm - c.retained) / MIB)))
 
-    kept_of: dict[tuple[tuple[str, int], ...], tuple[tuple[str, int], ...]] = {}  # consecutive moments share one
+    kept_of: dict[Kept, Kept] = {}  # consecutive moments share one
 
-    def held_key(con: MemoryConstraint) -> tuple[frozenset[str], tuple[tuple[str, int], ...]]:
+    def held_key(con: MemoryConstraint) -> tuple[frozenset[str], Kept]:
         """What of ``con`` the variable stands for: its absent candidates and kept inputs among ``cands``."""
         absent = con.absent if con.absent <= names else con.absent & names
         if con.kept not in kept_of:
-            kept_of[con.kept] = tuple((j, b) for j, b in con.kept if j in names)
+            kept: dict[tuple[str, ...], int] = {}
+            for holders, b in con.kept:
+                if among := tuple(j for j in holders if j in names):
+                    kept[among] = kept.get(among, 0) + b
+            kept_of[con.kept] = tuple(sorted(kept.items()))
         return absent, kept_of[con.kept]
 
     rows = _Rows()
+    # An input several candidates keep counts once: a variable at least each holder's y (the MILP keeps it at
+    # their largest, since it only adds memory), one per set of holders.
+    shared = sorted({hs for con in constraints for hs, _ in held_key(con)[1] if len(hs) > 1})
+    first_shared = h.getNumCol()
+    keeps = {holders: first_shared + i for i, holders in enumerate(shared)}
+    if shared:
+        h.addVars(len(shared), np.zeros(len(shared)), np.ones(len(shared)))
+        for holders, column in keeps.items():
+            for j in holders:
+                rows.add({column: 1.0, y[j].index: -1.0}, 0.0, highspy.kHighsInf)
+
+    def keeper(holders: tuple[str, ...]) -> int:
+        return y[holders[0]].index if len(holders) == 1 else keeps[holders]
+
     first = h.getNumCol()
-    held: dict[tuple[frozenset[str], tuple[tuple[str, int], ...]], int] = {}  # (absent, kept) -> its column
+    held: dict[tuple[frozenset[str], Kept], int] = {}  # (absent, kept) -> its column
     last_absent: frozenset[str] = frozenset()
-    last_kept: dict[str, int] = {}
+    last_kept: dict[tuple[str, ...], int] = {}
     for con in sorted(constraints, key=lambda c: c.at):
         key = held_key(con)
         if key in held or key == (frozenset(), ()):
@@ -142,9 +160,9 @@ def memory_rows(
             for j in js:
                 for col, v in negated_freed[j]:
                     change[col] = change.get(col, 0.0) + sign * v
-        for j in kept.keys() | last_kept.keys():
-            if (d := kept.get(j, 0) - last_kept.get(j, 0)) != 0:
-                col = y[j].index
+        for holders in kept.keys() | last_kept.keys():
+            if (d := kept.get(holders, 0) - last_kept.get(holders, 0)) != 0:
+                col = keeper(holders)
                 change[col] = change.get(col, 0.0) + d / MIB
         column = first + len(held)
         entries = {column: 1.0} | ({column - 1: -1.0} if held else {})

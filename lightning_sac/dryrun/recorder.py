@@ -99,6 +99,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self._interval: PeakWatch | None = None
         self._producer: dict[int, int] = {}
         self._serial: dict[int, int] = {}
+        self._serial_ids: list[int] = []  # serial -> storage id
+        self._made_serial: dict[int, int] = {}  # storage id -> serial of the storage _producer names the op of
         self._next_serial = 0
         self._saved: set[tuple[int, int]] = set()
         self._handles: list[RemovableHandle] = []
@@ -180,6 +182,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         if self.memory.is_live(storage):
             return 0
         self._serial[id(storage)] = self._next_serial
+        self._serial_ids.append(id(storage))
         self._next_serial += 1
         return self.memory.track(storage, category, nbytes)
 
@@ -193,18 +196,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
     def _on_free(self, key: int, nbytes: int) -> None:
         if self.phase == "forward" and key in self._producer:
             self.graph.freed(self._producer[key])
-        # An input (or output) freed after its module's forward and before its backward is over: a checkpoint
-        # would keep it.
-        # The free gets an event of its own: the interval before it still holds the storage, the one after not.
-        event: int | None = None
-        for table, field_name in ((self._input_of, "freed_inputs"), (self._output_of, "freed_outputs")):
-            for fqn in table.pop(key, ()):
-                st = self._states[fqn]
-                if "post_forward" in st.snapshots and not st.bwd_done:
-                    if event is None:
-                        self._event("free", fqn)
-                        event = len(self.timeline) - 1
-                    getattr(st.profile, field_name).append([event, nbytes])
+        self._module_frees(key, nbytes)
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:
         if self.phase == "forward":
@@ -277,6 +269,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             new_bytes += self._track(st, category, sizes.get(i))
             if added:
                 self._producer[id(st)] = len(self.graph.ops)
+                self._made_serial[id(st)] = self._serial.get(id(st), -1)
             keys.append(self._key(st))
         workspace = 0
         if self.workspace is not None:

@@ -2,12 +2,11 @@
 
 The profile's timeline holds the live bytes at every module boundary and the peak until the next one. A
 checkpointed module ``j`` frees ``d_j`` bytes of activations from the end of its forward until its backward
-begins, when recompute brings them back; during that recompute its forward's temporaries come back too. A
-checkpoint also keeps its inputs until its backward is over: an input the plain step frees in the meantime
-(nothing saved it) stays alive from the interval it would have been freed in (:attr:`ModuleProfile.freed_inputs`).
-So every timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations
-are absent throughout it free, plus the inputs they keep, is within the budget. Parameters, gradients and
-optimizer state are divided by the world size when sharded.
+begins, when recompute brings them back with its forward's temporaries. A checkpoint also keeps its inputs until
+its backward is over: one the plain step frees meanwhile stays alive from then on (``freed_inputs``). So every
+timeline interval gives one constraint: its peak, minus what the checkpointed modules whose activations are absent
+throughout it free, plus what they keep, is within the budget. Parameters, gradients and optimizer state are
+divided by the world size when sharded.
 """
 
 from __future__ import annotations
@@ -99,11 +98,7 @@ def device_model(profile: ModelProfile, world_size: int = 1, sharding: str = "re
 
 
 def _held(module: ModuleProfile) -> list[list[int]]:
-    """``[timeline index, bytes]`` a checkpoint of the module keeps alive that the plain step frees earlier.
-
-    Its inputs, and its output when its output op must stay saved (a stateful op's), each from when the plain
-    step frees it until the module's backward is over.
-    """
+    """``[index, bytes]`` of inputs (and a stateful output op's output) a checkpoint keeps and plain frees earlier."""
     stats = module.op_stats
     keeps_output = stats is not None and bool(stats.output_ops) and stats.output_ops[-1] in stats.stateful_ops
     return module.freed_inputs + (module.freed_outputs if keeps_output else [])
@@ -112,11 +107,10 @@ def _held(module: ModuleProfile) -> list[list[int]]:
 def checkpoint_state_bytes(profile: ModelProfile, fqn: str | None = None, backend: str = "sac") -> int:
     """Device bytes a checkpoint region keeps from its forward until its backward, besides activations.
 
-    ``torch.utils.checkpoint`` stashes the CPU generator's state once per region, a ``uint8`` tensor of a few KiB,
-    to replay the region's random ops; the graph backend stashes it at each random op of the region (module
-    ``fqn``), to replay any of them alone (5 KiB per dropout: an Informer's graph plans measured up to 2.8% above
-    their budget on a tiny model before it was counted). Memory of the target itself when the target is this CPU,
-    host memory (not counted) for a GPU, whose own generator state is stashed on the host too.
+    ``torch.utils.checkpoint`` stashes the CPU generator's state once per region (a few KiB) to replay its random
+    ops; the graph backend stashes it at each random op of the region (module ``fqn``), to replay any alone (an
+    Informer's graph plans measured up to 2.8% above their budget before it was counted). The target's memory on
+    this CPU; host memory (not counted) for a GPU, whose own generator state is stashed on the host too.
     """
     state = _generator_state_bytes(profile)
     if backend == "sac" or fqn is None:
@@ -297,15 +291,21 @@ def _kept_bytes(
             storages.setdefault(("", d), (d, n, []))[2].append(j)
         if states[j]:
             storages[(j, -1)] = (starts[j], states[j], [j])
-    # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
-    gathers = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
+    # Per candidate and index, what else its checkpoint holds: under FSDP, the units it gathers again for its
+    # recompute; the activations the plain step frees after its forward and before its backward begins
+    # (ModuleProfile.freed_activations), which the checkpoint frees at once: from then on no saving of it.
+    extra = {j: list(fsdp.recompute_gathers_series(j)) for j in windows if fsdp is not None and fsdp.units_inside(j)}
+    for j in windows:
+        for d, n in profile.modules[j].freed_activations:
+            series = extra.setdefault(j, [0] * length)
+            series[max(d, 0) : windows[j][1]] = [b + n for b in series[max(d, 0) : windows[j][1]]]
     begins: dict[int, list[tuple[str, int]]] = {}
     over: dict[int, set[str]] = {}  # index -> holders whose backward is over there
     for key, (d, _, holders) in storages.items():
         begins.setdefault(max(d, 0), []).append(key)
         for j in (j for j in holders if j in ends):
             over.setdefault(ends[j], set()).add(j)
-    changes = set(begins) | set(over) | {k for s in gathers.values() for k in range(length) if s[k] != (k and s[k - 1])}
+    changes = set(begins) | set(over) | {k for s in extra.values() for k in range(length) if s[k] != (k and s[k - 1])}
     active: dict[tuple[str, int], tuple[str, ...]] = {}  # storage -> its holders whose backward is not over
     by_holders: dict[tuple[str, ...], int] = {}
 
@@ -326,8 +326,8 @@ def _kept_bytes(
                 for key in [k for k, holders in active.items() if j in holders]:
                     move(key, tuple(h for h in active[key] if h != j))
             kept = {h: n for h, n in by_holders.items() if n}
-            for j in (j for j, series in gathers.items() if series[at]):
-                kept[(j,)] = kept.get((j,), 0) + gathers[j][at]
+            for j in (j for j, series in extra.items() if series[at]):
+                kept[(j,)] = kept.get((j,), 0) + extra[j][at]
             shared = tuple(sorted(kept.items()))
         out.append(shared)
     return out

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.library import Library
 
 from lightning_sac.devices import DeviceSpec
@@ -27,6 +27,7 @@ from lightning_sac.dryrun.cuda.autocast import CudaAutocastPolicy, CudaAutocastR
 from lightning_sac.dryrun.cuda.batch_norm import CudnnBatchNormEmulation
 from lightning_sac.dryrun.cuda.sdpa import cuda_sdpa
 from lightning_sac.dryrun.modules.hooks import history_tensors
+from lightning_sac.dryrun.values.real_values import REAL_LIMIT_BYTES
 from lightning_sac.ops import composite_scratch
 from lightning_sac.sharding import check_tensor_parallel, is_sharded, unsharded_memo
 
@@ -41,6 +42,23 @@ def _fake_like(t: torch.Tensor, mode: FakeTensorMode, device: str) -> torch.Tens
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
 
+def _is_constant(b: torch.Tensor) -> bool:
+    """Whether buffer ``b`` is a model constant the dry run may read: integer or boolean, with values, not too large."""
+    return (
+        not (b.is_floating_point() or b.is_complex())
+        and b.device.type != "meta"
+        and not isinstance(b, FakeTensor)
+        and b.numel() * b.element_size() <= REAL_LIMIT_BYTES
+    )
+
+
+def _real_constant(b: torch.Tensor, device: str) -> torch.Tensor:
+    # A copy: the dry run's step may write to it (BatchNorm counts its batches) and the user's buffer stays as is.
+    # A convolution's stride and padding kept as int64 buffers (EnCodec, Mimi: F.pad by them), a counter, positions:
+    # read on the host, they answer as in training, where a fake tensor's read is refused as weight-derived.
+    return b.detach().to(device, copy=True)
+
+
 def fake_copy(
     model: nn.Module,
     mode: FakeTensorMode,
@@ -48,6 +66,7 @@ def fake_copy(
     *,
     share: Iterable[object] = (),
     wrapper: nn.Module | None = None,
+    constants: bool = False,
 ) -> nn.Module:
     """Deep-copy ``model`` with every parameter and buffer replaced by a fake tensor of the same metadata.
 
@@ -63,10 +82,12 @@ def fake_copy(
         device: Device of the fake tensors (``"cpu"`` or ``"cuda"``).
         share: Objects the copy should reference rather than copy (e.g. a Lightning trainer).
         wrapper: An FSDP1 unit wrapping ``model`` itself (Lightning's ``trainer.strategy.model``), if any.
+        constants: Copy integer and boolean buffers for real (:func:`_is_constant`), for a dry run that runs ops
+            on real values (:class:`~lightning_sac.dryrun.values.real_values.RealValuesMode`).
     """
     memo: dict[int, Any] = {id(o): o for o in share}
     for b in model.buffers():
-        memo[id(b)] = _fake_like(b, mode, device)
+        memo[id(b)] = _real_constant(b, device) if constants and _is_constant(b) else _fake_like(b, mode, device)
     # State a forward with gradients left on a module (RecurrentGemma's recurrent_states after a step): torch
     # cannot deep-copy a tensor with a gradient history. The copy gets it without one, as the next step reads it.
     for m in model.modules():

@@ -244,7 +244,7 @@ def record_step(
     # Real tensors a loss_fn closes over (targets, masks) are converted to fake ones on first use, once each,
     # and counted as memory that existed before the step ("other"), as they would on the device.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fmodel = fake_copy(model, mode, run_on, share=step.share, wrapper=step.wrapper)
+    fmodel = fake_copy(model, mode, run_on, share=step.share, wrapper=step.wrapper, constants=True)
     finputs = dry_run_inputs(example_inputs, mode, run_on)
     params = list(fmodel.parameters())
     flags = checkpointing_flags(fmodel)

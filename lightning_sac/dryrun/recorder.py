@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sac.devices import DeviceSpec
@@ -203,7 +203,11 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             key = self._key(x.untyped_storage())
             self._saved.add(key)
             self.graph.pack(x, key)
-        return x
+        # Not ``x``: an op's saved output would hold its own grad_fn, a cycle through autograd's graph that only a
+        # backward breaks, so a branch no backward reaches (a state the caller drops, logits under argmax) would
+        # stay alive to the end of the step, which it does not without the hook. Unseen by the modes below.
+        with _disable_current_modes():
+            return x.detach()
 
     def _location(self) -> str:
         return peak_location(self.phase, self._stack, self._bwd_open)

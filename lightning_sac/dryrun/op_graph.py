@@ -68,7 +68,8 @@ class OpGraph:
         # packed before it runs and its outputs after, so the count says exactly which ops a recompute must have run.
         self.packs: list[tuple[int, tuple[int, ...], tuple[int, int]]] = []
         self._made_by: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ops that last wrote it
-        self.deaths: dict[int, list[int]] = {}  # op -> ops run when each storage it made was freed (forward)
+        # op -> (ops run, bytes) when each storage it made was freed (forward)
+        self.deaths: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def ops(self) -> list[OpRecord]:
@@ -138,9 +139,9 @@ class OpGraph:
             made.update((i, len(self._ops)) for i in entry.output_ids)
             self._add(record, [t for t in (ref() for ref in entry.outputs) if t is not None])
 
-    def freed(self, maker: int) -> None:
-        """A storage op ``maker`` made was freed in forward, now (after ``len(ops)`` ops)."""
-        self.deaths.setdefault(maker, []).append(len(self.ops))
+    def freed(self, maker: int, nbytes: int = 0) -> None:
+        """A storage (``nbytes``) op ``maker`` made was freed in forward, now (after ``len(ops)`` ops)."""
+        self.deaths.setdefault(maker, []).append((len(self.ops), nbytes))
 
     def pack(self, tensor: torch.Tensor, key: tuple[int, int]) -> None:
         """Autograd saved ``tensor`` (its storage's ``key``) for backward."""
@@ -196,7 +197,14 @@ class OpGraph:
             stats.op_inputs.append(sorted({j for j in map(local, op.inputs) if j is not None and j < i}))
             made = sum(1 for root in op.storage_roots if root == start + i)
             deaths = self.deaths.get(start + i, [])
-            stats.freed_at.append(max(deaths) - start if made and len(deaths) >= made and max(deaths) <= end else -1)
+            whole = made and len(deaths) >= made and max(c for c, _ in deaths) <= end
+            stats.freed_at.append(max(c for c, _ in deaths) - start if whole else -1)
+            # Some of its storages are freed within the call and others outlive it (a LayerNorm's output that only
+            # a local variable held, its saved mean and rstd): the plain step does not keep those, a recompute
+            # makes them again and holds them as long as the forward did.
+            within = [(c, n) for c, n in deaths if c <= end]
+            if made and not whole and within:
+                stats.freed_parts.append((i, sum(n for _, n in within), max(c for c, _ in within) - start))
         # A saved output that a later op of the module writes in place no longer holds what its op made: an
         # op's output is overwritten later when the module's last write to one of its storages comes after it.
         last_write = {op.inplace_parent: j for j, op in enumerate(ops) if op.inplace_parent is not None}

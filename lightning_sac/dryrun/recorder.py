@@ -3,11 +3,7 @@
 PyTorch's ``torch.distributed._tools`` gathers the same facts with three trackers over several passes. Here
 each aten op is seen once: its runtime is estimated, its new storages are counted by category, and, in
 forward, it is appended to one global op list; every module keeps only where its slice of that list starts
-and ends, so nested modules share the records instead of copying them.
-
-The module hooks (where each module's forward and backward begin and end) are in
-:mod:`lightning_sac.dryrun.modules.hooks`; this module is the recorder's life cycle, memory accounting and op
-dispatch.
+and ends, so nested modules share the records. The module hooks are in :mod:`lightning_sac.dryrun.modules.hooks`.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from lightning_sac.dryrun.cuda.trace import TraceRecorder
 from lightning_sac.dryrun.data import TimelineEvent, peak_location
 from lightning_sac.dryrun.memory import LiveMemory, PeakWatch
 from lightning_sac.dryrun.modules.hooks import ModuleHooks
+from lightning_sac.dryrun.modules.own_checkpoints import GeneratorStates
 from lightning_sac.dryrun.op_graph import OpGraph, OpRecord
 from lightning_sac.dryrun.runtime import RuntimeEstimator
 from lightning_sac.dryrun.values.kernel_layouts import check_strided
@@ -106,6 +103,8 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self._handles: list[RemovableHandle] = []
         self._buffers = InputBuffers(self._handles)
         self._pack_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
+        # The model's own checkpoints copy the CPU generator's state outside the dispatcher: counted as the step's.
+        self._generator_states = GeneratorStates(self, self._track_state, enabled=not spec.is_cuda)
         self._hook_modules(model)
 
     # ----------------------------------------------------------------- life cycle
@@ -151,10 +150,12 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
 
     def __enter__(self) -> StepRecorder:
         self._pack_ctx.__enter__()
+        self._generator_states.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._generator_states.__exit__(*exc)
         self._pack_ctx.__exit__(*exc)
 
     def close(self) -> None:
@@ -186,6 +187,9 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self._next_serial += 1
         return self.memory.track(storage, category, nbytes)
 
+    def _track_state(self, state: torch.Tensor) -> None:
+        self._track(state.untyped_storage(), "other")
+
     def _key(self, storage: torch.UntypedStorage) -> tuple[int, int]:
         return id(storage), self._serial.get(id(storage), -1)
 
@@ -195,7 +199,7 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
 
     def _on_free(self, key: int, nbytes: int) -> None:
         if self.phase == "forward" and key in self._producer:
-            self.graph.freed(self._producer[key])
+            self.graph.freed(self._producer[key], nbytes)
         self._module_frees(key, nbytes)
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor:

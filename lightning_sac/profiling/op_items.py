@@ -32,6 +32,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
     sets = [set(getattr(stats, name)) for name in SETS]
     masks = {op: k for k, op in enumerate(stats.mask_ops)}
     workspace = dict(zip(stats.workspace_ops, stats.workspace_bytes, strict=True))
+    parts = {i: (n, at) for i, n, at in stats.freed_parts}
     parents = dict(stats.inplace_ops)
     if len(parents) != len(stats.inplace_ops):
         raise ValueError("op_items: an op with two in-place parents")
@@ -49,6 +50,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
             len(stats.op_inputs[i]),
             len(makers.get(i, ())),
             i in workspace,
+            i in parts,
         )
         nums = (
             stats.runtimes[i],
@@ -59,6 +61,7 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
             *makers.get(i, ()),
             *([] if mask is None else [stats.mask_bytes[mask], stats.mask_ms[mask]]),
             *([workspace[i]] if i in workspace else []),
+            *(parts.get(i, ())),
         )
         items.append(Item(sig, nums))
     return items
@@ -66,8 +69,8 @@ def op_items(stats: ModuleOpStats) -> list[Item]:
 
 def op_numbers(sig: Any) -> int:
     """How many numbers the record of an op with this ``sig`` has (see :func:`op_items`)."""
-    _, _, has_mask, has_parent, n_inputs, n_makers, has_workspace = sig
-    return 3 + n_inputs + int(has_parent) + n_makers + 2 * int(has_mask) + int(has_workspace)
+    _, _, has_mask, has_parent, n_inputs, n_makers, has_workspace, *part = sig
+    return 3 + n_inputs + int(has_parent) + n_makers + 2 * int(has_mask) + int(has_workspace) + 2 * int(any(part))
 
 
 def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int | None) -> ModuleOpStats:
@@ -75,7 +78,7 @@ def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int
     out = ModuleOpStats(force_store_random=flags[0], output_saved_inside=flags[1], recompute_stop=recompute_stop)
     for i, item in enumerate(items):
         sig: tuple[Any, ...] = item.sig  # type: ignore[assignment]
-        name, flags, has_mask, has_parent, n_inputs, n_makers, has_workspace = sig
+        name, flags, has_mask, has_parent, n_inputs, n_makers, has_workspace, *part = sig
         nums = list(item.nums)
         out.func_names.append(name)
         out.runtimes.append(nums[0])
@@ -97,6 +100,9 @@ def op_stats_of(items: list[Item], flags: tuple[bool, bool], recompute_stop: int
         if has_workspace:
             out.workspace_ops.append(i)
             out.workspace_bytes.append(int(nums[k]))
+            k += 1
+        if any(part):
+            out.freed_parts.append((i, int(nums[k]), int(nums[k + 1])))
         for name_of_set, flag in zip(SETS, flags, strict=True):
             if flag:
                 getattr(out, name_of_set).append(i)

@@ -183,7 +183,7 @@ def _transient_line(stats: ModuleOpStats, tradeoff: ModuleTradeoff, bound: int, 
 
 
 def _line_inputs(stats: ModuleOpStats) -> tuple[list[Any], ...]:
-    return stats.freed_at, stats.memory, stats.output_ops, stats.view_like_ops, stats.inplace_ops
+    return stats.freed_at, stats.memory, stats.output_ops, stats.view_like_ops, stats.inplace_ops, stats.freed_parts
 
 
 class _Transient:
@@ -202,12 +202,25 @@ class _Transient:
         self.stop = len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
         self.outputs = output_indices(stats)
         self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
-        self.alive += sum(m for i, m in enumerate(stats.memory) if stats.freed_at[i] >= 0)  # every temporary saved
+        self.parts = {i: (n, at) for i, n, at in stats.freed_parts}
+        for i, (m, freed) in enumerate(zip(stats.memory, stats.freed_at, strict=True)):
+            if freed >= 0:  # every temporary saved, and every part of an op its forward freed
+                self.alive[: self._cached_until(i, freed)] += m
+        for i, (n, at) in self.parts.items():
+            self.alive[: self._cached_until(i, at)] += n
         self.scratch = np.zeros_like(self.alive)  # the workspace of each rerun op, for the moment it runs
         self.workspace = stats.rerun_workspaces(self.stop)  # as recompute_transient counts them
         for i, saved in enumerate(policy):
             if not saved:
                 self.recompute(i)
+
+    def _cached_until(self, i: int, freed: int) -> int:
+        """Until which index of the rerun a saved output of op ``i`` that the forward freed at ``freed`` is alive.
+
+        SAC's rerun takes it out of the cache at ``i``, and it dies where the forward's did; one past the early
+        stop, or on the graph backend (bounded from above), stays for the whole rerun.
+        """
+        return freed if self.backend == "sac" and i < self.stop else len(self.alive)
 
     def recompute(self, i: int) -> None:
         """Turn op ``i`` to recompute (nothing when it already is)."""
@@ -219,15 +232,19 @@ class _Transient:
         size, freed = self.stats.memory[i], self.stats.freed_at[i]
         if not size:
             return
+        if i in self.parts:  # the checkpoint's cache no longer keeps it
+            self.alive[: self._cached_until(i, self.parts[i][1])] -= self.parts[i][0]
         if freed >= 0:
-            self.alive -= size
+            self.alive[: self._cached_until(i, freed)] -= size
             if i < self.stop:
                 if i < freed:
                     self.alive[i:freed] += size
                 elif freed < i:
                     self.alive[freed:i] -= size
         elif i < self.stop and i not in self.outputs:
-            self.alive[:i] -= size
+            part, at = self.parts.get(i, (0, i))  # a part its forward freed is a temporary of the rerun
+            self.alive[:i] -= size - part
+            self.alive[i:at] += part
 
     def value(self) -> int:
         """The transient of the current policy, bytes."""

@@ -14,8 +14,8 @@ nothing backward unpacks reads, other than for its shape (dropout's ``empty_like
 the MLP's last ``addmm`` that way), gets an empty tensor of its output's layout instead
 (:mod:`lightning_sac.apply.skip_dead`).
 
-Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops``, ``op_inputs``,
-``mutated_later``). For a profile without them (an older version's), every op the policy recomputes counts.
+Both read :class:`ModuleOpStats`' graph facts (``recompute_stop``, ``packed_ops``, ``op_inputs``, ``mutated_later``);
+for a profile without them (an older version's), every op the policy recomputes counts.
 """
 
 from __future__ import annotations
@@ -179,10 +179,9 @@ def _writes_by_storage(stats: ModuleOpStats) -> tuple[dict[int, list[int]], Call
 
 
 def output_op(stats: ModuleOpStats) -> int | None:
-    """Index of the module's output op (``None``: no such op).
+    """Index of the module's output op, the last that made a storage of its output (``None``: no such op).
 
-    The last op that made a storage of the module's output, as the profile says; for an older profile, the last
-    op that is neither a view nor in place.
+    For an older profile, the last op that is neither a view nor in place.
     """
     if stats.output_ops:
         return stats.output_ops[-1]
@@ -238,12 +237,18 @@ def recompute_transient(
         return None
     stop = _stop(stats)
     outputs = output_indices(stats)
-    saved_temps = sum(
-        m for i, m in enumerate(stats.memory) if policy is not None and policy[i] and stats.freed_at[i] >= 0
-    )
+    saved = [i for i in range(n) if policy is not None and policy[i]]
+    parts = {i: (n, at) for i, n, at in stats.freed_parts}
     masks = dict(zip(stats.mask_ops, stats.mask_bytes, strict=False))
+    # What the cache keeps: saved temporaries, saved parts the forward freed, the masks.
+    saved_temps = sum(stats.memory[i] if stats.freed_at[i] >= 0 else parts.get(i, (0,))[0] for i in saved)
     saved_temps += sum(masks[i] for i in masked)
     events: list[tuple[int, int]] = [(i + 1, -masks[i]) for i in masked]  # freed once the op has copied it back
+    if backend == "sac":
+        # SAC's rerun takes a saved output out of the cache when it reaches the op: from then on the rerun's own
+        # references hold it, which drop where the forward's did (one past the early stop stays cached).
+        events += [(stats.freed_at[i], -stats.memory[i]) for i in saved if i < stop and stats.freed_at[i] >= 0]
+        events += [(parts[i][1], -parts[i][0]) for i in saved if i < stop and i in parts]
     missing = 0  # discarded activations not rebuilt yet
     scratch = {i: w for i, w in stats.rerun_workspaces(stop).items() if policy is None or not policy[i]}
     events += [(i, 0) for i in scratch]  # a moment at each such op, after its index's frees and allocations
@@ -254,8 +259,9 @@ def recompute_transient(
         if stats.freed_at[i] >= 0:
             events += [(i, m), (stats.freed_at[i], -m)]
         elif i not in outputs:
-            missing += m
-            events.append((i, m))
+            part, at = parts.get(i, (0, i))  # a part the forward freed is a temporary of the rerun
+            missing += m - part
+            events += [(i, m), (at, -part)]
     alive = peak = saved_temps - missing  # before the rerun's first op
     events.sort()  # at one index, frees (negative) first
     for k, (index, delta) in enumerate(events):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,19 @@ def dry_run(
     Raises:
         ProfilingError: A data-dependent op on a value derived from the weights; names the op, module and line.
     """
+    # No garbage collection inside: garbage in a cycle would be freed wherever one ran, and the profile (its frees
+    # are events) would differ from one dry run to the next (a deep model's short runs then do not extend).
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _dry_run(model, example_inputs, step, estimate, replace_existing)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _dry_run(model: nn.Module, example_inputs: Any, step: StepSpec, estimate: str, replace_existing: bool) -> DryRun:
     # Run again when scalar reads got stand-ins, to check they decided nothing (dryrun/values/placeholders.py).
     run = record_checked(lambda: record_step(model, example_inputs, step, replace_existing=replace_existing))
     warm = run.kept_values > 0

@@ -202,7 +202,8 @@ class _Transient:
         self.stop = len(stats.func_names) if stats.recompute_stop is None else stats.recompute_stop
         self.outputs = output_indices(stats)
         self.alive = np.zeros(max([len(stats.func_names), *stats.freed_at]) + 1, dtype=np.int64)
-        self.parts = {i: (n, at) for i, n, at in stats.freed_parts}
+        # Parts the forward freed: for SAC (the graph backend keeps its bound, which counts the op whole).
+        self.parts = {i: (n, at) for i, n, at in stats.freed_parts} if backend == "sac" else {}
         for i, (m, freed) in enumerate(zip(stats.memory, stats.freed_at, strict=True)):
             if freed >= 0:  # every temporary saved, and every part of an op its forward freed
                 self.alive[: self._cached_until(i, freed)] += m

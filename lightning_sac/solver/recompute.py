@@ -238,7 +238,7 @@ def recompute_transient(
     stop = _stop(stats)
     outputs = output_indices(stats)
     saved = [i for i in range(n) if policy is not None and policy[i]]
-    parts = {i: (n, at) for i, n, at in stats.freed_parts}
+    parts = {i: (n, at) for i, n, at in stats.freed_parts} if backend == "sac" else {}  # graph: its old bound
     masks = dict(zip(stats.mask_ops, stats.mask_bytes, strict=False))
     # What the cache keeps: saved temporaries, saved parts the forward freed, the masks.
     saved_temps = sum(stats.memory[i] if stats.freed_at[i] >= 0 else parts.get(i, (0,))[0] for i in saved)

@@ -135,8 +135,10 @@ class ModuleHooks:
                 if "post_forward" in st.snapshots and not st.bwd_done:
                     getattr(st.profile, field_name).append([at(fqn), nbytes])
         serial = self._serial.get(key, -1)
-        for fqn, made in self._activation_of.pop(key, ()):
-            if made == serial and self._states[fqn].bwd_start_ms is None:
+        for fqn, made, caller in self._activation_of.pop(key, ()):
+            # Only while its caller runs (a state the caller drops): what outlives the caller's forward is the
+            # step's to free (an output's KV cache), and an outer module's count would grow with its layers.
+            if made == serial and self._states[fqn].bwd_start_ms is None and caller in self._stack:
                 self._states[fqn].profile.freed_activations.append([at(fqn), nbytes])
 
     def _hook_modules(self, model: nn.Module) -> None:
@@ -148,7 +150,7 @@ class ModuleHooks:
         self._input_of: dict[int, list[str]] = {}  # storage id -> modules whose first call took it as input
         self._output_of: dict[int, list[str]] = {}  # storage id -> modules whose first call returned it
         # storage id -> (module, storage serial): made by the module's first call, alive when it ended, not returned
-        self._activation_of: dict[int, list[tuple[str, int]]] = {}
+        self._activation_of: dict[int, list[tuple[str, int, str | None]]] = {}
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
         #: Per fqn, an attribute its forward stored a tensor with a gradient history in (:func:`stored_state`).
@@ -235,9 +237,10 @@ class ModuleHooks:
             st.pack_end = len(self.graph.packs)
             # Its activations: a free of one before its backward begins is one the plain step makes and a
             # checkpoint of it does not gain from (ModuleProfile.freed_activations).
+            caller = self._stack[-1] if self._stack else None
             for key, serial in self._made_since(st.serial_start, (st.op_start, st.op_end)):
                 if (key, serial) not in st.output_keys:
-                    self._activation_of.setdefault(key, []).append((fqn, serial))
+                    self._activation_of.setdefault(key, []).append((fqn, serial, caller))
             for t in outputs:
                 if t.requires_grad:
                     self._signals.produced(fqn, t)

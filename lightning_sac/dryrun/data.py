@@ -109,12 +109,6 @@ class ModuleProfile:
             the recorder adds at that moment). A checkpoint keeps its region's inputs until its backward is over,
             so checkpointing the module keeps these alive from then on (for an input nothing else saved: a
             ReLU-first region, an fp32 tensor a region under autocast reads only in half precision).
-        freed_activations: ``[timeline index, bytes]`` of each storage the first call's ops made that was still
-            alive when its forward ended (so counted in its activations) and that the plain step frees before the
-            module's backward begins: a tensor autograd saved only for an output the caller drops (MiniMax's
-            lightning attention returns its last ``attn_weights_inter``, whose graph dies with it). A checkpoint
-            frees these at its forward's end, as the plain step does later, so from that free until the module's
-            backward they are no saving of the checkpoint.
     """
 
     fqn: str
@@ -134,7 +128,6 @@ class ModuleProfile:
     measured_overhead: dict[str, list[float]] = field(default_factory=dict)
     freed_inputs: list[list[int]] = field(default_factory=list)
     freed_outputs: list[list[int]] = field(default_factory=list)
-    freed_activations: list[list[int]] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:

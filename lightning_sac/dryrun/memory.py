@@ -71,10 +71,6 @@ class LiveMemory:
         """Whether ``storage`` is already counted."""
         return id(storage) in self._live
 
-    def is_live_key(self, key: int) -> bool:
-        """Whether the storage with id ``key`` is counted now."""
-        return key in self._live
-
     def track(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> int:
         """Count ``storage`` under ``category`` if it is new; return the bytes added (0 if already live).
 

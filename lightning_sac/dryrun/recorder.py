@@ -96,8 +96,6 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         self._interval: PeakWatch | None = None
         self._producer: dict[int, int] = {}
         self._serial: dict[int, int] = {}
-        self._serial_ids: list[int] = []  # serial -> storage id
-        self._made_serial: dict[int, int] = {}  # storage id -> serial of the storage _producer names the op of
         self._next_serial = 0
         self._saved: set[tuple[int, int]] = set()
         self._handles: list[RemovableHandle] = []
@@ -183,7 +181,6 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
         if self.memory.is_live(storage):
             return 0
         self._serial[id(storage)] = self._next_serial
-        self._serial_ids.append(id(storage))
         self._next_serial += 1
         return self.memory.track(storage, category, nbytes)
 
@@ -277,7 +274,6 @@ class StepRecorder(ModuleHooks, TorchDispatchMode):
             new_bytes += self._track(st, category, sizes.get(i))
             if added:
                 self._producer[id(st)] = len(self.graph.ops)
-                self._made_serial[id(st)] = self._serial.get(id(st), -1)
             keys.append(self._key(st))
         workspace = 0
         if self.workspace is not None:

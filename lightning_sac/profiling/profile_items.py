@@ -101,7 +101,6 @@ class _Reader:
                 json.dumps(m.measured_overhead, sort_keys=True),
                 len(m.freed_inputs),
                 len(m.freed_outputs),
-                len(m.freed_activations),
                 fqn in module_ops,
             )
             nums = (
@@ -112,7 +111,7 @@ class _Reader:
                 m.forward_ms,
                 m.backward_ms,
                 m.calls,
-                *(x for pair in m.freed_inputs + m.freed_outputs + m.freed_activations for x in pair),
+                *(x for pair in m.freed_inputs + m.freed_outputs for x in pair),
                 *([module_ops[fqn]] if fqn in module_ops else []),
                 *([stop] if stats is not None and stop is not None else []),
                 *(x for o in ops for x in o.nums),
@@ -299,15 +298,15 @@ def _modules(
     n_mem = len(PHASES) * len(CATEGORIES)
     for x in items:
         sig: tuple[Any, ...] = x.sig  # type: ignore[assignment]
-        template, module_type, is_leaf, inline, long_ops, no_stop, overhead, n_in, n_out, n_act, has_ops = sig
+        template, module_type, is_leaf, inline, long_ops, no_stop, overhead, n_in, n_out, has_ops = sig
         nums = list(x.nums)
         fqn = names.join(template, nums[0])
         k = 1 + len(_MODULE_INTS) + 1
         mem = nums[k : k + n_mem]
         k += n_mem
         forward_ms, backward_ms, calls = nums[k : k + 3]
-        pairs = [[int(nums[k + 3 + 2 * i]), int(nums[k + 4 + 2 * i])] for i in range(n_in + n_out + n_act)]
-        k += 3 + 2 * (n_in + n_out + n_act)
+        pairs = [[int(nums[k + 3 + 2 * i]), int(nums[k + 4 + 2 * i])] for i in range(n_in + n_out)]
+        k += 3 + 2 * (n_in + n_out)
         if has_ops and trace is not None:
             trace.module_ops[fqn] = int(nums[k])
             k += 1
@@ -340,8 +339,7 @@ def _modules(
             op_stats=stats,
             measured_overhead=json.loads(overhead),
             freed_inputs=pairs[:n_in],
-            freed_outputs=pairs[n_in : n_in + n_out],
-            freed_activations=pairs[n_in + n_out :],
+            freed_outputs=pairs[n_in:],
         )
     return out
 

@@ -49,8 +49,7 @@ def predicted_step_memory(profile: ModelProfile, plan: Plan, *, applied: bool = 
         kept: dict[int, int] = {}  # the inputs checkpoints keep that the plain step has freed by now, by their free
         for f, b in freed.items():
             if f in windows and windows[f][0] <= k < windows[f][1]:
-                value -= b  # what the checkpoint frees, less what the plain step has freed of it by now
-                value += sum(n for at, n in profile.modules[f].freed_activations if at <= k)
+                value -= b  # what the checkpoint frees
                 kept.update((at, n) for at, n in profile.modules[f].freed_inputs if at <= k)
         out.append(value + sum(kept.values()))  # an input several checkpoints keep (a mask), once
     return out

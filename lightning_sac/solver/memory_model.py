@@ -291,14 +291,8 @@ def _kept_bytes(
             storages.setdefault(("", d), (d, n, []))[2].append(j)
         if states[j]:
             storages[(j, -1)] = (starts[j], states[j], [j])
-    # Per candidate and index, what else its checkpoint holds: under FSDP, the units it gathers again for its
-    # recompute; the activations the plain step frees after its forward and before its backward begins
-    # (ModuleProfile.freed_activations), which the checkpoint frees at once: from then on no saving of it.
-    extra = {j: list(fsdp.recompute_gathers_series(j)) for j in windows if fsdp is not None and fsdp.units_inside(j)}
-    for j in windows:
-        for d, n in profile.modules[j].freed_activations:
-            series = extra.setdefault(j, [0] * length)
-            series[max(d, 0) : windows[j][1]] = [b + n for b in series[max(d, 0) : windows[j][1]]]
+    # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
+    extra = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
     begins: dict[int, list[tuple[str, int]]] = {}
     over: dict[int, set[str]] = {}  # index -> holders whose backward is over there
     for key, (d, _, holders) in storages.items():

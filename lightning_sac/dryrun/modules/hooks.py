@@ -65,7 +65,6 @@ class ModuleState:
     bwd_pass: int = 0
     force_store_random: bool = False
     output_keys: set[tuple[int, int]] = field(default_factory=set)
-    serial_start: int = 0
     has_parameters: bool = False
     snapshots: dict[str, MemorySnapshot] = field(default_factory=dict)
 
@@ -87,11 +86,6 @@ class ModuleHooks:
     _handles: list[RemovableHandle]
     _saved: set[tuple[int, int]]
     timeline: list[TimelineEvent]
-    # The recorder's storages: serial by id, id by serial, the serial an op made, the op that made it.
-    _serial: dict[int, int]
-    _serial_ids: list[int]
-    _made_serial: dict[int, int]
-    _producer: dict[int, int]
 
     def _event(self, kind: str, name: str) -> None:
         raise NotImplementedError  # the recorder's timeline
@@ -99,26 +93,12 @@ class ModuleHooks:
     def _key(self, storage: torch.UntypedStorage) -> tuple[int, int]:
         raise NotImplementedError  # the recorder's storage identity
 
-    def _made_since(self, serial: int, op_range: tuple[int, int]) -> list[tuple[int, int]]:
-        """``(storage id, serial)`` of the live storages counted since ``serial`` that ops in ``op_range`` made."""
-        start, end = op_range
-        out = []
-        for s in range(serial, self._next_serial):
-            key = self._serial_ids[s]
-            if self._serial.get(key) != s or not self.memory.is_live_key(key) or self._made_serial.get(key) != s:
-                continue  # freed since, or its id taken by a later storage, or not made by an op
-            if start <= self._producer.get(key, -1) < end:
-                out.append((key, s))
-        return out
-
     def _module_frees(self, key: int, nbytes: int) -> None:
         """Note the free of storage ``key`` in the profiles of the modules a checkpoint of which it concerns.
 
         An input (or output) freed after its module's forward and before its backward is over: a checkpoint would
-        keep it (``freed_inputs``). An activation of a module whose forward is over and whose backward has not
-        begun: the plain step frees it before the backward, as a checkpoint does at once, so the checkpoint gains
-        nothing from it from here on (``freed_activations``: a saved tensor of an output the caller dropped). The
-        free gets an event of its own: the interval before it still holds the storage, the one after not.
+        keep it (``freed_inputs``). The free gets an event of its own: the interval before it still holds the
+        storage, the one after not.
         """
         event: int | None = None
 
@@ -134,12 +114,6 @@ class ModuleHooks:
                 st = self._states[fqn]
                 if "post_forward" in st.snapshots and not st.bwd_done:
                     getattr(st.profile, field_name).append([at(fqn), nbytes])
-        serial = self._serial.get(key, -1)
-        for fqn, made, caller in self._activation_of.pop(key, ()):
-            # Only while its caller runs (a state the caller drops): what outlives the caller's forward is the
-            # step's to free (an output's KV cache), and an outer module's count would grow with its layers.
-            if made == serial and self._states[fqn].bwd_start_ms is None and caller in self._stack:
-                self._states[fqn].profile.freed_activations.append([at(fqn), nbytes])
 
     def _hook_modules(self, model: nn.Module) -> None:
         """Start the bookkeeping and add the forward hooks to every module of ``model`` (into ``_handles``)."""
@@ -149,8 +123,6 @@ class ModuleHooks:
         self._backward_pass = 0  # how many backward passes the step has begun (a manual step can run several)
         self._input_of: dict[int, list[str]] = {}  # storage id -> modules whose first call took it as input
         self._output_of: dict[int, list[str]] = {}  # storage id -> modules whose first call returned it
-        # storage id -> (module, storage serial): made by the module's first call, alive when it ended, not returned
-        self._activation_of: dict[int, list[tuple[str, int, str | None]]] = {}
         #: Per fqn, the layout of the first forward call's inputs (for measuring modules for real).
         self.input_specs: dict[str, Any] = {}
         #: Per fqn, an attribute its forward stored a tensor with a gradient history in (:func:`stored_state`).
@@ -205,7 +177,6 @@ class ModuleHooks:
             if self.memory.trace is not None:
                 self.memory.trace.trace.module_ops[fqn] = st.op_start
             st.pack_start = len(self.graph.packs)
-            st.serial_start = self._next_serial
             # Backward of this module is over once autograd has the gradients of its inputs, or, when no
             # input needs one (token ids), of its parameters.
             targets = [t for t in inputs if t.requires_grad] or [p for p in module.parameters() if p.requires_grad]
@@ -235,12 +206,6 @@ class ModuleHooks:
             self.memory.close_watch(st.fwd_watch)
             st.op_end = len(self.graph.ops)
             st.pack_end = len(self.graph.packs)
-            # Its activations: a free of one before its backward begins is one the plain step makes and a
-            # checkpoint of it does not gain from (ModuleProfile.freed_activations).
-            caller = self._stack[-1] if self._stack else None
-            for key, serial in self._made_since(st.serial_start, (st.op_start, st.op_end)):
-                if (key, serial) not in st.output_keys:
-                    self._activation_of.setdefault(key, []).append((fqn, serial, caller))
             for t in outputs:
                 if t.requires_grad:
                     self._signals.produced(fqn, t)

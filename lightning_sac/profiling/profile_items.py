@@ -305,8 +305,9 @@ def _modules(
         mem = nums[k : k + n_mem]
         k += n_mem
         forward_ms, backward_ms, calls = nums[k : k + 3]
-        pairs = [[int(nums[k + 3 + 2 * i]), int(nums[k + 4 + 2 * i])] for i in range(n_in + n_out)]
-        k += 3 + 2 * (n_in + n_out)
+        k += 3
+        pairs = [[int(nums[k + 2 * i]), int(nums[k + 2 * i + 1])] for i in range(n_in + n_out)]
+        k += 2 * (n_in + n_out)
         if has_ops and trace is not None:
             trace.module_ops[fqn] = int(nums[k])
             k += 1

@@ -292,14 +292,14 @@ def _kept_bytes(
         if states[j]:
             storages[(j, -1)] = (starts[j], states[j], [j])
     # Under FSDP, what a checkpoint gathers again for its recompute, per index (few candidates contain units).
-    extra = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
+    gathers = {j: fsdp.recompute_gathers_series(j) for j in windows if fsdp is not None and fsdp.units_inside(j)}
     begins: dict[int, list[tuple[str, int]]] = {}
     over: dict[int, set[str]] = {}  # index -> holders whose backward is over there
     for key, (d, _, holders) in storages.items():
         begins.setdefault(max(d, 0), []).append(key)
         for j in (j for j in holders if j in ends):
             over.setdefault(ends[j], set()).add(j)
-    changes = set(begins) | set(over) | {k for s in extra.values() for k in range(length) if s[k] != (k and s[k - 1])}
+    changes = set(begins) | set(over) | {k for s in gathers.values() for k in range(length) if s[k] != (k and s[k - 1])}
     active: dict[tuple[str, int], tuple[str, ...]] = {}  # storage -> its holders whose backward is not over
     by_holders: dict[tuple[str, ...], int] = {}
 
@@ -320,8 +320,8 @@ def _kept_bytes(
                 for key in [k for k, holders in active.items() if j in holders]:
                     move(key, tuple(h for h in active[key] if h != j))
             kept = {h: n for h, n in by_holders.items() if n}
-            for j in (j for j, series in extra.items() if series[at]):
-                kept[(j,)] = kept.get((j,), 0) + extra[j][at]
+            for j in (j for j, series in gathers.items() if series[at]):
+                kept[(j,)] = kept.get((j,), 0) + gathers[j][at]
             shared = tuple(sorted(kept.items()))
         out.append(shared)
     return out

@@ -78,7 +78,6 @@ class ModuleHooks:
 
     phase: str
     cum_ms: float
-    _next_serial: int
     spec: DeviceSpec
     memory: LiveMemory
     graph: OpGraph
